@@ -1,0 +1,90 @@
+"""kvflow: move LLM KV cache between device memory and a shared pool, layer by layer.
+
+import kvflow
+
+layout = kvflow.KVLayout.from_tensors(kv_caches, block_size=16)
+store = kvflow.LocalStore("8GiB")
+async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(model="m")) as engine:
+    await engine.save(token_ids, block_ids)
+    hit = await engine.lookup(token_ids)
+    handle = await engine.start_load([(token_ids[:hit], block_ids[: hit // 16])])
+    for layer in range(layout.num_layers):
+        await handle.wait_layer(layer)   # layer i is in device memory; compute it
+    result = await handle.wait()
+"""
+
+from kvflow.config import EngineConfig, parse_size
+from kvflow.devices import DeviceOps
+from kvflow.errors import (
+    ClosedError,
+    ConfigError,
+    InvalidArgumentError,
+    KVFlowError,
+    LayoutError,
+    MissingDependencyError,
+    StoreError,
+    StoreUnavailableError,
+    TransferTimeoutError,
+)
+from kvflow.keys import KeySpace, chunk_hashes
+from kvflow.layout import KVLayout, KVPart
+from kvflow.pipeline import (
+    LoadHandle,
+    SaveHandle,
+    SyncLoadHandle,
+    SyncSaveHandle,
+    SyncTransferEngine,
+    TransferEngine,
+)
+from kvflow.results import ChunkStatus, RequestResult, TransferResult
+from kvflow.stats import EngineStats
+from kvflow.stores import (
+    Direction,
+    LocalStore,
+    ReadSession,
+    Store,
+    StoreUsage,
+    SupportsUsage,
+    WriteSession,
+    WriteStatus,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChunkStatus",
+    "ClosedError",
+    "ConfigError",
+    "DeviceOps",
+    "Direction",
+    "EngineConfig",
+    "EngineStats",
+    "InvalidArgumentError",
+    "KVFlowError",
+    "KVLayout",
+    "KVPart",
+    "KeySpace",
+    "LayoutError",
+    "LoadHandle",
+    "LocalStore",
+    "MissingDependencyError",
+    "ReadSession",
+    "RequestResult",
+    "SaveHandle",
+    "Store",
+    "StoreError",
+    "StoreUnavailableError",
+    "StoreUsage",
+    "SupportsUsage",
+    "SyncLoadHandle",
+    "SyncSaveHandle",
+    "SyncTransferEngine",
+    "TransferEngine",
+    "TransferResult",
+    "TransferTimeoutError",
+    "WriteSession",
+    "WriteStatus",
+    "__version__",
+    "chunk_hashes",
+    "parse_size",
+]

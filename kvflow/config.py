@@ -1,0 +1,171 @@
+"""Configuration: frozen dataclasses validated on construction, sizes accepted as "8GiB"."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvflow.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_CHUNK_BLOCKS",
+    "DEFAULT_COPY_TIMEOUT_S",
+    "DEFAULT_MAX_TRANSFER_BYTES",
+    "DEFAULT_OP_TIMEOUT_S",
+    "DEFAULT_PREFETCH_LAYERS",
+    "DEFAULT_SAVE_BACKLOG",
+    "EngineConfig",
+    "parse_size",
+]
+
+DEFAULT_CHUNK_BLOCKS = 4
+DEFAULT_PREFETCH_LAYERS = 2
+DEFAULT_SAVE_BACKLOG = 4
+DEFAULT_COPY_THREADS = 1
+DEFAULT_MAX_TRANSFER_BYTES = 64 << 20
+DEFAULT_COPY_TIMEOUT_S = 10.0
+DEFAULT_OP_TIMEOUT_S = 30.0
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str, *, argument: str = "size") -> int:
+    """Bytes from an int or a string such as ``"8GiB"``, ``"512 MiB"``, ``"2GB"`` or ``"4096"``.
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal ones (KB, MB, GB, TB) powers
+    of 1000. Raises ConfigError naming ``argument`` for anything else, or a negative size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(argument, value, "expected a byte count or a size such as '8GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(argument, value, "must not be negative")
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(argument, value, "expected a byte count or a size such as '8GiB'")
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            argument, value, "expected a size such as '8GiB', '512MiB', '2GB' or '4096'"
+        )
+    number = float(match.group(1))
+    size = number * _UNITS[unit]
+    if not math.isfinite(size) or size != int(size):
+        raise ConfigError(argument, value, "is not a whole number of bytes")
+    return int(size)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, value, "must be an integer >= 1")
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(name, value, "must be a number of seconds > 0")
+    if not math.isfinite(value):
+        raise ConfigError(name, value, "must be finite")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a TransferEngine keys, batches, paces and times its transfers.
+
+    Fields:
+        model: model name; part of every key's namespace.
+        rank: this process's tensor-parallel rank; part of every key.
+        chunk_blocks: blocks per pool object (one key per chunk, all layers inside).
+        prefetch_layers: a load copies at most this many layers ahead of the consumer.
+        save_backlog: a save holds at most this many written-but-not-copied layers; the
+            producer waits in ``layer_written`` beyond that.
+        copy_threads: threads of the copy executor.
+        copy_cpus: CPUs the copy threads pin themselves to (empty: no pinning).
+        max_transfer_bytes: coalesced ranges above this are split (accepts "64MiB").
+        copy_timeout_s: one layer's copy may take this long before its chunks are failed.
+        op_timeout_s: a store metadata call, or a whole-request wait, may take this long.
+    """
+
+    model: str = "default"
+    rank: int = 0
+    chunk_blocks: int = DEFAULT_CHUNK_BLOCKS
+    prefetch_layers: int = DEFAULT_PREFETCH_LAYERS
+    save_backlog: int = DEFAULT_SAVE_BACKLOG
+    copy_threads: int = DEFAULT_COPY_THREADS
+    copy_cpus: tuple[int, ...] = ()
+    max_transfer_bytes: int | str = DEFAULT_MAX_TRANSFER_BYTES
+    copy_timeout_s: float = DEFAULT_COPY_TIMEOUT_S
+    op_timeout_s: float = DEFAULT_OP_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigError("model", self.model, "must be a non-empty string")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError("rank", self.rank, "must be an integer >= 0")
+        for name in ("chunk_blocks", "prefetch_layers", "save_backlog", "copy_threads"):
+            _positive_int(name, getattr(self, name))
+        self._check_cpus()
+        size = parse_size(self.max_transfer_bytes, argument="max_transfer_bytes")
+        if size < 1:
+            raise ConfigError("max_transfer_bytes", self.max_transfer_bytes, "must be >= 1 byte")
+        object.__setattr__(self, "max_transfer_bytes", size)
+        _positive_float("copy_timeout_s", self.copy_timeout_s)
+        _positive_float("op_timeout_s", self.op_timeout_s)
+
+    def _check_cpus(self) -> None:
+        cpus: Any = self.copy_cpus
+        if isinstance(cpus, (str, bytes)) or not hasattr(cpus, "__iter__"):
+            raise ConfigError("copy_cpus", cpus, "must be a sequence of CPU numbers")
+        cpus = tuple(cpus)
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus):
+            raise ConfigError("copy_cpus", cpus, "CPU numbers must be integers >= 0")
+        available = _available_cpus()
+        missing = sorted(set(cpus) - available) if available else []
+        if missing:
+            raise ConfigError(
+                "copy_cpus", cpus, f"CPUs {missing} are not available to this process"
+            )
+        object.__setattr__(self, "copy_cpus", cpus)
+
+    @property
+    def transfer_limit(self) -> int:
+        """``max_transfer_bytes`` as an int (it is normalised in ``__post_init__``)."""
+        return int(self.max_transfer_bytes)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        """Build from a plain dict; unknown keys are an error that lists the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError("config", unknown, f"unknown keys; known keys are {sorted(known)}")
+        values = dict(values)
+        if "copy_cpus" in values and values["copy_cpus"] is not None:
+            values["copy_cpus"] = tuple(values["copy_cpus"])
+        return cls(**values)
+
+
+def _available_cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux: no pinning check possible
+        return set()

@@ -1,0 +1,275 @@
+"""TransferEngine: the asyncio front of kvflow's layerwise pipeline.
+
+Concurrency contract: an engine belongs to the event loop that first uses it; every coroutine
+must be awaited on that loop (use SyncTransferEngine from other threads). Store metadata calls run
+on one dedicated thread and copies on the pinned copy executor, so no call blocks the loop. Every
+wait has a timeout (``op_timeout_s`` for metadata and whole-batch waits, ``copy_timeout_s`` per
+layer's copy). Call order: ``lookup`` (optional), then ``start_load``/``start_save`` (or the
+whole-request ``load``/``save``), then ``close`` once. Cancelling a coroutine that owns a handle
+(``load``, ``save``, or ``async with handle``) releases its leases and aborts its writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import numpy as np
+
+from kvflow.config import EngineConfig
+from kvflow.devices import device_ops
+from kvflow.errors import ClosedError, KVFlowError, TransferTimeoutError
+from kvflow.keys import KeySpace, chunk_hashes, token_array
+from kvflow.layout import KVLayout
+from kvflow.pipeline.batch import BatchPlan, plan_batch
+from kvflow.pipeline.executor import PinnedExecutor
+from kvflow.pipeline.handles import LoadHandle, SaveHandle, _Transfer
+from kvflow.results import ChunkStatus, TransferResult
+from kvflow.stats import EngineStats
+from kvflow.stores.base import Store, WriteStatus
+
+__all__ = ["Request", "TransferEngine"]
+
+log = logging.getLogger("kvflow")
+T = TypeVar("T")
+Request = tuple[Any, Any]  # (token_ids, block_ids)
+
+
+class TransferEngine:
+    """Saves and loads KV between a KVLayout's device blocks and a Store, layer by layer.
+
+    Per request batch the store sees one metadata call to open (``open_read``/``open_write``) and
+    one to finish, whatever the number of layers; every layer is one ``batch_copy`` of coalesced
+    address ranges. The engine does not own the store: close the store after the engine.
+    """
+
+    def __init__(self, layout: KVLayout, store: Store, config: EngineConfig | None = None) -> None:
+        self.layout = layout
+        self.store = store
+        self.config = config or EngineConfig()
+        self.keyspace = KeySpace.for_layout(
+            model=self.config.model,
+            layout_fingerprint=layout.fingerprint(),
+            chunk_blocks=self.config.chunk_blocks,
+            num_layers=layout.num_layers,
+            rank=self.config.rank,
+        )
+        self._device = device_ops(layout.device)
+        self._stats = EngineStats(num_layers=layout.num_layers)
+        self._handles: set[_Transfer] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        store.register(layout.regions())
+        self._copier = PinnedExecutor(self.config.copy_threads, self.config.copy_cpus)
+        self._meta_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-meta")
+
+    # -- public operations --------------------------------------------------------------------
+
+    async def lookup(self, token_ids: Any) -> int:
+        """Tokens of ``token_ids`` whose KV the pool holds: the leading run of stored chunks.
+
+        A store that fails or times out counts as a miss (``stats().lookup_errors``).
+        """
+        self._check_open()
+        tokens = token_array(token_ids)
+        chunk_tokens = self.config.chunk_blocks * self.layout.block_size
+        keys = self.keyspace.keys(chunk_hashes(tokens, chunk_tokens))
+        self._stats.lookups += 1
+        if not keys:
+            return 0
+        try:
+            found = await self._meta(self.store.lookup, keys)
+        except KVFlowError as exc:
+            log.warning("kvflow: lookup failed, counted as a miss: %s", exc)
+            self._stats.lookup_errors += 1
+            self._stats.miss_chunks += len(keys)
+            return 0
+        found = np.asarray(found, dtype=bool)
+        misses = np.flatnonzero(~found)
+        hits = int(misses[0]) if misses.size else len(keys)
+        self._stats.hit_chunks += hits
+        self._stats.miss_chunks += len(keys) - hits
+        return hits * chunk_tokens
+
+    async def start_load(self, requests: Sequence[Request]) -> LoadHandle:
+        """Start loading a batch of ``(token_ids, block_ids)``; returns at once with a handle.
+
+        Every full chunk of each request is loaded into its blocks. Chunks not in the pool come
+        back MISSING, chunks whose copy fails FAILED: their blocks must be recomputed.
+        """
+        self._check_open()
+        plan = self._plan(requests, load=True)
+        status = np.full(plan.num_chunks, ChunkStatus.FAILED, dtype=np.int8)
+        session = None
+        if plan.num_chunks:
+            try:
+                session = await self._meta(self.store.open_read, plan.keys, on_late=self._late_read)
+            except KVFlowError as exc:
+                log.warning("kvflow: open_read failed; the batch's chunks fail: %s", exc)
+        active = np.zeros(0, dtype=np.int64)
+        if session is not None:
+            found = np.asarray(session.found, dtype=bool)
+            status[~found] = ChunkStatus.MISSING
+            active = np.flatnonzero(found)
+            self._stats.load_missing_chunks += int((~found).sum())
+        self._stats.loads += 1
+        return self._track(LoadHandle(self, plan, session, active, status))
+
+    async def start_save(self, requests: Sequence[Request]) -> SaveHandle:
+        """Start saving a batch of ``(token_ids, block_ids)``; returns at once with a handle.
+
+        Only full chunks are saved; chunks already stored come back EXISTS, chunks that found no
+        room NO_SPACE (skipped, counted). Objects become visible after the last layer.
+        """
+        self._check_open()
+        plan = self._plan(requests, load=False)
+        status = np.full(plan.num_chunks, ChunkStatus.FAILED, dtype=np.int8)
+        session = None
+        nbytes = self.layout.object_bytes(self.config.chunk_blocks)
+        if plan.num_chunks:
+            try:
+                session = await self._meta(
+                    self.store.open_write, plan.keys, nbytes, on_late=self._late_write
+                )
+            except KVFlowError as exc:
+                log.warning("kvflow: open_write failed; the batch is not saved: %s", exc)
+        active = np.zeros(0, dtype=np.int64)
+        if session is not None:
+            st = np.asarray(session.status)
+            status[st == WriteStatus.EXISTS] = ChunkStatus.EXISTS
+            status[st == WriteStatus.NO_SPACE] = ChunkStatus.NO_SPACE
+            active = np.flatnonzero(st == WriteStatus.GRANTED)
+            self._stats.saves_skipped_exists += int((st == WriteStatus.EXISTS).sum())
+            self._stats.saves_skipped_no_space += int((st == WriteStatus.NO_SPACE).sum())
+        self._stats.saves += 1
+        return self._track(SaveHandle(self, plan, session, active, status))
+
+    async def load(self, token_ids: Any, block_ids: Any) -> TransferResult:
+        """Load one request, all layers; returns which blocks succeeded and which failed."""
+        async with await self.start_load([(token_ids, block_ids)]) as handle:
+            return await handle.wait()
+
+    async def save(self, token_ids: Any, block_ids: Any) -> TransferResult:
+        """Save one request's full chunks, all layers (its KV must already be written)."""
+        async with await self.start_save([(token_ids, block_ids)]) as handle:
+            for layer in range(self.layout.num_layers):
+                await handle.layer_written(layer)
+            return await handle.wait()
+
+    def stats(self) -> EngineStats:
+        """A copy of the counters."""
+        return self._stats.snapshot()
+
+    async def close(self) -> None:
+        """Abort open batches (their chunks fail), release the store, stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for handle in list(self._handles):
+                await handle.aclose()
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=self.config.op_timeout_s)
+            stuck = self._copier.in_flight > 0
+            self._copier.shutdown(wait=not stuck)
+            self._meta_pool.shutdown(wait=False)
+
+    async def __aenter__(self) -> TransferEngine:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        s = self._stats
+        return (
+            f"TransferEngine(layers={self.layout.num_layers}, open_batches={len(self._handles)}, "
+            f"copier={self._copier!r}, copy_calls={s.copy_calls}, "
+            f"metadata_calls={s.store_metadata_calls}, closed={self._closed})"
+        )
+
+    # -- internals used by the handles ----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("TransferEngine")
+
+    def _plan(self, requests: Sequence[Request], *, load: bool) -> BatchPlan:
+        return plan_batch(self.layout, self.keyspace, requests, self.config.chunk_blocks, load=load)
+
+    def _track(self, handle: T) -> T:
+        self._handles.add(handle)  # type: ignore[arg-type]
+        return handle
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _record_wait(self, layer: int, seconds: float) -> None:
+        self._stats.layer_wait_s[layer] += seconds
+        self._stats.layer_waits[layer] += 1
+
+    async def _meta(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        on_late: Callable[[T], None] | None = None,
+        fail_ok: bool = False,
+    ) -> T:
+        """Run a store metadata call on the metadata thread, with ``op_timeout_s``.
+
+        A call that returns after its timeout hands its result to ``on_late`` (which releases
+        what it reserved). With ``fail_ok`` a failure is logged and swallowed (cleanup paths).
+        """
+        self._stats.store_metadata_calls += 1
+        keys = args[0] if args and isinstance(args[0], (tuple, list)) else ()
+        self._stats.keys_touched += len(keys)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._meta_pool, fn, *args)
+        timeout = self.config.op_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.CancelledError:
+            if on_late is not None:  # what the call reserves is released when it returns
+                future.add_done_callback(lambda f: _late(f, on_late))
+            raise
+        except asyncio.TimeoutError:
+            self._stats.timeouts += 1
+            if on_late is not None:
+                future.add_done_callback(lambda f: _late(f, on_late))
+            if fail_ok:
+                log.warning("kvflow: store call %s timed out", getattr(fn, "__name__", fn))
+                return None  # type: ignore[return-value]
+            raise TransferTimeoutError(f"store.{getattr(fn, '__name__', fn)}", timeout) from None
+        except KVFlowError as exc:
+            if fail_ok:
+                log.warning("kvflow: store call %s failed: %s", getattr(fn, "__name__", fn), exc)
+                return None  # type: ignore[return-value]
+            raise
+
+    def _late_read(self, session: Any) -> None:
+        self._meta_pool.submit(_quiet, self.store.close_read, session)
+
+    def _late_write(self, session: Any) -> None:
+        ok = np.zeros(len(session.keys), dtype=bool)
+        self._meta_pool.submit(_quiet, self.store.finish_write, session, ok)
+
+
+def _late(future: asyncio.Future[Any], on_late: Callable[[Any], None]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        on_late(future.result())
+
+
+def _quiet(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except KVFlowError as exc:
+        log.warning("kvflow: releasing a late store session failed: %s", exc)

@@ -1,0 +1,176 @@
+"""SyncTransferEngine: the engine for callers that are not async (an inference worker's forward).
+
+The engine's event loop runs in a daemon thread of its own ("kvflow-loop"). Every method here is
+thread-safe and blocking, with a timeout (default ``op_timeout_s``); a call that runs past it
+raises TransferTimeoutError. ``SyncLoadHandle.wait_layer`` waits on a thread-safe event without a
+trip through the loop, so a per-layer wait costs microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from kvflow.config import EngineConfig
+from kvflow.errors import ClosedError, TransferTimeoutError
+from kvflow.layout import KVLayout
+from kvflow.pipeline.engine import Request, TransferEngine
+from kvflow.pipeline.handles import LoadHandle, SaveHandle
+from kvflow.results import TransferResult
+from kvflow.stats import EngineStats
+from kvflow.stores.base import Store
+
+__all__ = ["SyncLoadHandle", "SyncSaveHandle", "SyncTransferEngine"]
+
+T = TypeVar("T")
+
+
+class SyncTransferEngine:
+    """A TransferEngine driven from any thread; its loop lives in a thread it owns."""
+
+    def __init__(self, layout: KVLayout, store: Store, config: EngineConfig | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kvflow-loop", daemon=True)
+        self._thread.start()
+        self.engine = TransferEngine(layout, store, config)
+        self._timeout = self.engine.config.op_timeout_s
+        self._closed = False
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+        if self._closed:
+            coro.close()
+            raise ClosedError("SyncTransferEngine")
+        limit = self._timeout if timeout is None else timeout
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TransferTimeoutError(what, limit) from None
+
+    def _outer(self, timeout: float | None) -> float:
+        """A limit for a loop round trip whose coroutine enforces ``timeout`` itself."""
+        return (self._timeout if timeout is None else timeout) + 1.0
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.engine.layout
+
+    def lookup(self, token_ids: Any, timeout: float | None = None) -> int:
+        return self._call(self.engine.lookup(token_ids), timeout, "lookup")
+
+    def load(self, token_ids: Any, block_ids: Any, timeout: float | None = None) -> TransferResult:
+        return self._call(self.engine.load(token_ids, block_ids), timeout, "load")
+
+    def save(self, token_ids: Any, block_ids: Any, timeout: float | None = None) -> TransferResult:
+        return self._call(self.engine.save(token_ids, block_ids), timeout, "save")
+
+    def start_load(
+        self, requests: Sequence[Request], timeout: float | None = None
+    ) -> SyncLoadHandle:
+        handle = self._call(self.engine.start_load(requests), timeout, "start_load")
+        return SyncLoadHandle(self, handle)
+
+    def start_save(
+        self, requests: Sequence[Request], timeout: float | None = None
+    ) -> SyncSaveHandle:
+        handle = self._call(self.engine.start_save(requests), timeout, "start_save")
+        return SyncSaveHandle(self, handle)
+
+    def stats(self) -> EngineStats:
+        stats: EngineStats = self._call(_value(self.engine.stats), None, "stats")
+        return stats
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close the engine (aborting open batches) and stop the loop thread."""
+        if self._closed:
+            return
+        try:
+            self._call(self.engine.close(), timeout, "close")
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=self._timeout)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self) -> SyncTransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Sync{self.engine!r}"
+
+
+async def _value(fn: Any) -> Any:
+    return fn()
+
+
+class _SyncHandle:
+    def __init__(self, owner: SyncTransferEngine, handle: LoadHandle | SaveHandle) -> None:
+        self._owner = owner
+        self.handle = handle
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Block until the batch's result is known (at most ``timeout`` seconds)."""
+        return self._owner._call(self.handle.wait(timeout), self._owner._outer(timeout), "wait")
+
+    def close(self) -> None:
+        """Stop the batch; its leases and slots are released."""
+        self._owner._call(self.handle.aclose(), None, "close")
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncLoadHandle(_SyncHandle):
+    """Blocking view of a LoadHandle."""
+
+    handle: LoadHandle
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Block until ``layer`` is in device memory; moves the prefetch window forward."""
+        h = self.handle
+        layer = h._engine.layout.check_layer(layer)
+        limit = self._owner._timeout if timeout is None else timeout
+        loop = self._owner._loop
+        if layer > 0:
+            loop.call_soon_threadsafe(h._consume, layer - 1)
+        start = time.perf_counter()
+        ready = h.layer_events[layer].wait(limit)
+        loop.call_soon_threadsafe(h._engine._record_wait, layer, time.perf_counter() - start)
+        if not ready:
+            raise TransferTimeoutError(f"load of layer {layer}", limit)
+        loop.call_soon_threadsafe(h._consume, layer)
+        if h._closed:
+            raise ClosedError("LoadHandle")
+
+
+class SyncSaveHandle(_SyncHandle):
+    """Blocking view of a SaveHandle."""
+
+    handle: SaveHandle
+
+    def layer_written(self, layer: int, timeout: float | None = None) -> None:
+        """Layer ``layer`` is written; blocks while the save backlog is full."""
+        h = self.handle
+        token = h._engine._device.layer_written(layer)  # on the caller's thread (its stream)
+        self._owner._call(
+            h._layer_written(layer, token, timeout), self._owner._outer(timeout), "layer_written"
+        )

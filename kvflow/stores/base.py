@@ -1,0 +1,150 @@
+"""The store interface every pool engine implements, and the sessions it hands out.
+
+A transfer touches the store's metadata twice per request batch, whatever the layer count:
+
+    lookup(keys)                         which keys are stored (committed)
+    open_write(keys, nbytes) -> WriteSession   reserve objects; per-key base addresses
+    open_read(keys) -> ReadSession       lease objects; per-key base addresses
+    batch_copy(pool, local, sizes, dir)  move bytes by address; no metadata (called per layer)
+    finish_write(session, ok)            commit the objects whose every layer was written; abort
+                                         the others (their space comes back)
+    close_read(session)                  release the leases
+
+Contract, for every store:
+
+* A written object is invisible to ``lookup`` and ``open_read`` until ``finish_write`` commits it;
+  an aborted or never-finished write is never visible.
+* A leased object is never evicted or overwritten until ``close_read``.
+* ``open_write`` never hands out space that another object, pending or committed, uses.
+* Every session is finished or closed exactly once; a second call raises InvalidArgumentError.
+* ``batch_copy`` copies ``sizes[i]`` bytes between ``pool_addrs[i]`` and ``local_addrs[i]`` and
+  returns the indices of the ranges that failed (an empty array when all succeeded). It raises
+  ``StoreError`` only when it could not try at all; the caller then fails every range.
+* Metadata calls are thread-safe; ``batch_copy`` may run on several threads at once.
+* Calls may block (locks, sockets): async callers run them off the event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "Direction",
+    "ReadSession",
+    "Store",
+    "SupportsUsage",
+    "StoreUsage",
+    "WriteSession",
+    "WriteStatus",
+]
+
+
+class Direction(enum.IntEnum):
+    """Which way ``batch_copy`` moves bytes."""
+
+    TO_POOL = 0
+    FROM_POOL = 1
+
+
+class WriteStatus(enum.IntEnum):
+    """What ``open_write`` did for one key."""
+
+    GRANTED = 0  # space reserved: write every layer, then finish
+    EXISTS = 1  # already stored, or being written by another session: nothing to do
+    NO_SPACE = 2  # no room even after eviction: the save of this chunk is skipped
+    FAILED = 3  # the store refused or failed for this key
+
+
+@dataclass(frozen=True, eq=False)
+class WriteSession:
+    """Space reserved by ``open_write``. ``addrs[i]`` is valid where ``status[i] == GRANTED``."""
+
+    handle: int
+    keys: tuple[str, ...]
+    addrs: np.ndarray
+    status: np.ndarray
+
+    @property
+    def granted(self) -> np.ndarray:
+        granted: np.ndarray = self.status == WriteStatus.GRANTED
+        return granted
+
+
+@dataclass(frozen=True, eq=False)
+class ReadSession:
+    """Leases taken by ``open_read``. ``addrs[i]`` is valid where ``found[i]``."""
+
+    handle: int
+    keys: tuple[str, ...]
+    addrs: np.ndarray
+    found: np.ndarray
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    """A snapshot of a pool's occupancy and counters."""
+
+    capacity: int
+    used: int
+    objects: int
+    pending_writes: int
+    leases: int
+    open_sessions: int
+    hits: int
+    misses: int
+    evictions: int
+    no_space: int
+
+
+class Store(ABC):
+    """A KV pool. See the module docstring for the contract every method keeps."""
+
+    @abstractmethod
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        """Declare local memory ``(address, nbytes)`` that ``batch_copy`` may touch. Idempotent."""
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[str]) -> np.ndarray:
+        """A bool array: which keys are committed. Touches found keys for LRU."""
+
+    @abstractmethod
+    def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession:
+        """Reserve ``nbytes`` for each key not already stored; evicts LRU objects if full."""
+
+    @abstractmethod
+    def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
+        """Commit granted keys where ``ok[i]``; abort the other granted keys."""
+
+    @abstractmethod
+    def open_read(self, keys: Sequence[str]) -> ReadSession:
+        """Lease every committed key; missing keys come back with ``found[i] == False``."""
+
+    @abstractmethod
+    def close_read(self, session: ReadSession) -> None:
+        """Release the session's leases."""
+
+    @abstractmethod
+    def batch_copy(
+        self,
+        pool_addrs: np.ndarray,
+        local_addrs: np.ndarray,
+        sizes: np.ndarray,
+        direction: Direction,
+    ) -> np.ndarray:
+        """Move bytes; returns the indices of failed ranges (empty when all succeeded)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release the store's resources. Sessions still open are aborted or released."""
+
+
+@runtime_checkable
+class SupportsUsage(Protocol):
+    """A store that can report its occupancy (used by stats and leak checks)."""
+
+    def usage(self) -> StoreUsage: ...

@@ -1,0 +1,165 @@
+"""LocalStore: the embedded pool, a host-memory arena inside this process."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvflow.config import parse_size
+from kvflow.errors import ClosedError, ConfigError, InvalidArgumentError
+from kvflow.stores.arena import SLOT_ALIGN, ArenaIndex
+from kvflow.stores.base import (
+    Direction,
+    ReadSession,
+    Store,
+    StoreUsage,
+    WriteSession,
+)
+
+__all__ = ["LocalStore"]
+
+_memmove = ctypes.memmove
+
+
+class LocalStore(Store):
+    """A host-memory arena of ``capacity`` bytes (``"8GiB"`` accepted) in this process.
+
+    Two-phase writes, read leases and LRU eviction of committed, unleased objects (see
+    ``kvflow.stores.base`` for the contract). A save that finds no room is skipped and counted.
+
+    Concurrency: every method is thread-safe. Metadata calls take one lock for a few
+    microseconds per key; ``batch_copy`` takes no lock and releases the GIL for each range, so
+    several copy threads run in parallel. ``close()`` aborts pending writes and drops leases; the
+    memory itself lives until the store object is garbage, so a straggling copy cannot fault.
+    """
+
+    def __init__(self, capacity: int | str = "1GiB") -> None:
+        size = parse_size(capacity, argument="capacity")
+        if size < SLOT_ALIGN:
+            raise ConfigError("capacity", capacity, f"must be at least {SLOT_ALIGN} bytes")
+        raw = np.empty(size + SLOT_ALIGN, dtype=np.uint8)
+        skip = (-raw.ctypes.data) % SLOT_ALIGN
+        self._buffer = raw[skip : skip + size]
+        self._base = int(self._buffer.ctypes.data)
+        self._index = ArenaIndex(size)
+        self._lock = threading.Lock()
+        self._regions = np.zeros((0, 2), dtype=np.int64)  # sorted [start, end)
+        self._closed = False
+
+    @property
+    def capacity(self) -> int:
+        return self._index.capacity
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        spans = [(int(a), int(a) + int(n)) for a, n in regions]
+        with self._lock:
+            merged = sorted([*map(tuple, self._regions.tolist()), *spans])
+            out: list[list[int]] = []
+            for lo, hi in merged:
+                if out and lo <= out[-1][1]:
+                    out[-1][1] = max(out[-1][1], hi)
+                else:
+                    out.append([lo, hi])
+            self._regions = np.array(out, dtype=np.int64).reshape(-1, 2)
+
+    def lookup(self, keys: Sequence[str]) -> np.ndarray:
+        with self._lock:
+            self._check_open()
+            return self._index.lookup(keys)
+
+    def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession:
+        keys = tuple(keys)
+        with self._lock:
+            self._check_open()
+            handle, offsets, status = self._index.open_write(keys, nbytes)
+        return WriteSession(handle, keys, np.where(offsets >= 0, offsets + self._base, 0), status)
+
+    def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
+        ok = np.asarray(ok, dtype=bool)
+        if ok.shape != (len(session.keys),):
+            raise InvalidArgumentError("ok", ok.shape, f"expected {len(session.keys)} flags")
+        with self._lock:
+            if not self._closed:
+                self._index.finish_write(session.handle, session.keys, ok)
+
+    def open_read(self, keys: Sequence[str]) -> ReadSession:
+        keys = tuple(keys)
+        with self._lock:
+            self._check_open()
+            handle, offsets, found = self._index.open_read(keys)
+        return ReadSession(handle, keys, np.where(found, offsets + self._base, 0), found)
+
+    def close_read(self, session: ReadSession) -> None:
+        with self._lock:
+            if not self._closed:
+                self._index.close_read(session.handle)
+
+    def batch_copy(
+        self,
+        pool_addrs: np.ndarray,
+        local_addrs: np.ndarray,
+        sizes: np.ndarray,
+        direction: Direction,
+    ) -> np.ndarray:
+        if self._closed:
+            raise ClosedError("LocalStore")
+        self._check_ranges(pool_addrs, local_addrs, sizes)
+        if direction == Direction.TO_POOL:
+            dst, src = pool_addrs, local_addrs
+        elif direction == Direction.FROM_POOL:
+            dst, src = local_addrs, pool_addrs
+        else:
+            raise InvalidArgumentError("direction", direction, "expected a Direction")
+        for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+            _memmove(d, s, n)
+        return np.zeros(0, dtype=np.int64)
+
+    def usage(self) -> StoreUsage:
+        with self._lock:
+            return self._index.usage()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._index.release_all()
+                self._closed = True
+
+    def __repr__(self) -> str:
+        u = self.usage()
+        return (
+            f"LocalStore(capacity={u.capacity}, used={u.used}, objects={u.objects}, "
+            f"pending={u.pending_writes}, leases={u.leases}, closed={self._closed})"
+        )
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("LocalStore")
+
+    def _check_ranges(self, pool: np.ndarray, local: np.ndarray, sizes: np.ndarray) -> None:
+        """Refuse any range outside the arena or outside registered local memory."""
+        if not (pool.shape == local.shape == sizes.shape) or pool.ndim != 1:
+            raise InvalidArgumentError("sizes", sizes.shape, "address and size arrays differ")
+        if sizes.size == 0:
+            return
+        if sizes.min() < 0:
+            raise InvalidArgumentError("sizes", int(sizes.min()), "sizes must be >= 0")
+        lo, hi = self._base, self._base + self.capacity
+        if pool.min() < lo or (pool + sizes).max() > hi:
+            raise InvalidArgumentError("pool_addrs", hex(int(pool.min())), "outside the arena")
+        regions = self._regions
+        if regions.shape[0] == 0:
+            raise InvalidArgumentError(
+                "local_addrs", hex(int(local[0])), "no local memory is registered (call register())"
+            )
+        idx = np.searchsorted(regions[:, 0], local, side="right") - 1
+        inside = (idx >= 0) & (local + sizes <= regions[np.maximum(idx, 0), 1])
+        if not inside.all():
+            bad = int(local[~inside][0])
+            raise InvalidArgumentError(
+                "local_addrs", hex(bad), "outside every registered region (call register())"
+            )
