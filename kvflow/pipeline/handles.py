@@ -186,22 +186,24 @@ class _Transfer:
     async def _finish(self) -> None:
         """Publish the result, then release store resources once.
 
+        Normally the store is updated first (a saved object is visible when ``wait()`` returns).
         A copy that timed out may still be running in its thread: its slot or lease is kept until
-        it returns (bounded by a grace period), so the store never reuses memory under it. The
-        result is published first, so no caller waits for a straggler.
+        it returns (bounded by a grace period), so the store never reuses memory under it; then
+        the result is published first, so no caller waits for a straggler.
         """
         if self._result is not None:
             return
         self._result = self._plan.result(self._status)
-        self._result_ready.set()
         pending = [f for f in self._futures if not f.done()]
         if pending:
+            self._result_ready.set()
             self._engine._background(self._release_after(pending))
             return
         try:
-            await self._release()
+            await self._release()  # a save's objects are visible before its result is
         finally:
             self._engine._handles.discard(self)
+            self._result_ready.set()
             self._done.set()
 
     async def _release_after(self, pending: list[asyncio.Future[Any]]) -> None:
@@ -303,6 +305,12 @@ class LoadHandle(_Transfer):
         layer, self._next = self._next, self._next + 1
         return layer, None
 
+    @property
+    def consumed(self) -> int:
+        """Layers the consumer has passed; layer ``consumed + prefetch_layers - 1`` is the last
+        one allowed to start copying."""
+        return self._consumed
+
     def _consume(self, layer: int) -> None:
         """The consumer has passed ``layer``: open the window up to ``layer + prefetch``."""
         for _ in range(self._consumed, layer + 1):
@@ -352,6 +360,7 @@ class SaveHandle(_Transfer):
     def __init__(self, engine: TransferEngine, *args: Any) -> None:
         self._written: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._seen: set[int] = set()
+        self._copied = 0
         self._backlog = asyncio.Semaphore(engine.config.save_backlog)
         super().__init__(engine, *args)
 
@@ -362,7 +371,13 @@ class SaveHandle(_Transfer):
         return await self._written.get()
 
     def _layer_finished(self, layer: int) -> None:
+        self._copied += 1
         self._backlog.release()
+
+    @property
+    def backlog(self) -> int:
+        """Layers written but not yet copied (never more than ``save_backlog``)."""
+        return len(self._seen) - self._copied
 
     async def layer_written(self, layer: int, timeout: float | None = None) -> None:
         """Layer ``layer`` of every block in the batch is written: copy it to the pool. Waits

@@ -1,0 +1,46 @@
+"""Shared fixtures: synthetic KV caches on CPU and stores to run them against."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kvflow
+
+
+def make_caches(
+    num_layers: int = 4,
+    num_blocks: int = 64,
+    block_shape: tuple[int, ...] = (2, 16, 8),
+    dtype: torch.dtype = torch.float16,
+    *,
+    seed: int = 0,
+) -> list[torch.Tensor]:
+    """One ``[num_blocks, *block_shape]`` tensor per layer, filled with random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = []
+    for _ in range(num_layers):
+        raw = torch.randint(0, 256, (num_blocks, *block_shape), generator=gen, dtype=torch.uint8)
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        shape = (num_blocks, *block_shape[:-1], block_shape[-1] // nbytes)
+        caches.append(raw.view(dtype).reshape(shape) if nbytes > 1 else raw)
+    return caches
+
+
+@pytest.fixture
+def caches() -> list[torch.Tensor]:
+    return make_caches()
+
+
+@pytest.fixture
+def layout(caches: list[torch.Tensor]) -> kvflow.KVLayout:
+    return kvflow.KVLayout.from_tensors(caches, block_size=16)
+
+
+@pytest.fixture
+def local_store() -> Iterator[kvflow.LocalStore]:
+    store = kvflow.LocalStore("64MiB")
+    yield store
+    store.close()
