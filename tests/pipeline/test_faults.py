@@ -247,8 +247,11 @@ async def test_cancelling_the_caller_releases_leases_and_slots(setup, op: str) -
             task = asyncio.ensure_future(e.load(tokens, np.arange(10, 16)))
         else:
             task = asyncio.ensure_future(e.save(tokens_for(3, seed=5), np.arange(6)))
-        while copies["n"] < 2:
+        for _ in range(1000):  # until layer 1's copy is stalled (bounded)
+            if copies["n"] >= 2:
+                break
             await asyncio.sleep(0.005)
+        assert copies["n"] >= 2
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
