@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import mmap
 import threading
 from collections.abc import Sequence
 
@@ -22,10 +24,16 @@ from kvflow.stores.base import (
 __all__ = ["LocalStore"]
 
 _memmove = ctypes.memmove
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+_PAGE = mmap.PAGESIZE
 
 
 class LocalStore(Store):
     """A host-memory arena of ``capacity`` bytes (``"8GiB"`` accepted) in this process.
+
+    The arena is anonymous memory advised for huge pages. Its pages are mapped on first write,
+    which on some machines (VMs with memory ballooning) costs seconds per GiB on the first
+    saves; ``prefault=True`` pays that once, at construction, instead.
 
     Two-phase writes, read leases and LRU eviction of committed, unleased objects (see
     ``kvflow.stores.base`` for the contract). A save that finds no room is skipped and counted.
@@ -36,13 +44,12 @@ class LocalStore(Store):
     memory itself lives until the store object is garbage, so a straggling copy cannot fault.
     """
 
-    def __init__(self, capacity: int | str = "1GiB") -> None:
+    def __init__(self, capacity: int | str = "1GiB", *, prefault: bool = False) -> None:
         size = parse_size(capacity, argument="capacity")
         if size < SLOT_ALIGN:
             raise ConfigError("capacity", capacity, f"must be at least {SLOT_ALIGN} bytes")
-        raw = np.empty(size + SLOT_ALIGN, dtype=np.uint8)
-        skip = (-raw.ctypes.data) % SLOT_ALIGN
-        self._buffer = raw[skip : skip + size]
+        self._map = _anonymous_map(size, prefault=prefault)
+        self._buffer = np.frombuffer(self._map, dtype=np.uint8)
         self._base = int(self._buffer.ctypes.data)
         self._index = ArenaIndex(size)
         self._lock = threading.Lock()
@@ -163,3 +170,17 @@ class LocalStore(Store):
             raise InvalidArgumentError(
                 "local_addrs", hex(bad), "outside every registered region (call register())"
             )
+
+
+def _anonymous_map(size: int, *, prefault: bool) -> mmap.mmap:
+    """Page-aligned anonymous memory, advised for huge pages, optionally populated now."""
+    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # advice only: kernels without THP refuse it
+            mem.madvise(mmap.MADV_HUGEPAGE)
+    if prefault:
+        try:
+            mem.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):  # older kernels: touch one byte per page
+            np.frombuffer(mem, dtype=np.uint8)[::_PAGE] = 0
+    return mem
