@@ -1,0 +1,42 @@
+"""The copy executor pins its threads to the configured CPUs."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow.pipeline.executor import PinnedExecutor
+from tests.conftest import make_caches
+from tests.pipeline.wrappers import WrappedStore
+
+CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+@pytest.mark.skipif(not CPUS, reason="CPU affinity is a Linux feature")
+async def test_copies_run_on_threads_pinned_to_copy_cpus() -> None:
+    target = (CPUS[-1],)
+    layout = kvflow.KVLayout.from_tensors(make_caches(3), block_size=16)
+    store = WrappedStore(kvflow.LocalStore("8MiB"))
+    seen: set[tuple[int, ...]] = set()
+    store.before_copy = lambda *a: seen.add(tuple(sorted(os.sched_getaffinity(0))))
+    cfg = kvflow.EngineConfig(chunk_blocks=1, copy_threads=2, copy_cpus=target)
+    async with kvflow.TransferEngine(layout, store, cfg) as engine:
+        await engine.save(np.arange(32), [0, 1])
+        assert engine._copier.pinned >= 1
+    assert seen == {target}
+    assert tuple(sorted(os.sched_getaffinity(0))) == tuple(CPUS), "the caller was re-pinned"
+    store.close()
+
+
+def test_unpinned_executor_leaves_affinity_alone() -> None:
+    pool = PinnedExecutor(1, ())
+    try:
+        got = pool.submit(lambda: sorted(os.sched_getaffinity(0))).result(5)
+        assert got == CPUS
+        assert pool.pinned == 0 and pool.in_flight == 0
+        assert "in_flight=0" in repr(pool)
+    finally:
+        pool.shutdown(wait=True)
