@@ -6,6 +6,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from typing import Any
 
 from kvflow.errors import ConfigError
@@ -68,10 +69,11 @@ def parse_size(value: int | str, *, argument: str = "size") -> int:
         raise ConfigError(
             argument, value, "expected a size such as '8GiB', '512MiB', '2GB' or '4096'"
         )
-    number = float(match.group(1))
-    size = number * _UNITS[unit]
-    if not math.isfinite(size) or size != int(size):
+    size = Fraction(match.group(1)) * _UNITS[unit]
+    if size.denominator != 1:
         raise ConfigError(argument, value, "is not a whole number of bytes")
+    if size >= 1 << 63:
+        raise ConfigError(argument, value, "is too large (at most 2**63 - 1 bytes)")
     return int(size)
 
 

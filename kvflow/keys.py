@@ -17,6 +17,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from kvflow._validate import int_vector
 from kvflow.errors import InvalidArgumentError
 
 __all__ = ["KEY_FORMAT_VERSION", "KeySpace", "chunk_hashes", "token_array"]
@@ -28,14 +29,7 @@ _ROOT = b"kvflow-chunk-root"
 
 def token_array(token_ids: Any, *, argument: str = "token_ids") -> np.ndarray:
     """Token ids as a 1-D int64 array; refuses floats, negatives and other shapes."""
-    if hasattr(token_ids, "detach"):
-        token_ids = token_ids.detach().cpu().numpy()
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(argument, token_ids, "must be a 1-D sequence of token ids")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise InvalidArgumentError(argument, token_ids, "token ids must be integers")
-    arr = arr.astype(np.int64, copy=False)
+    arr = int_vector(token_ids, argument, "token ids")
     if arr.size and arr.min() < 0:
         raise InvalidArgumentError(argument, int(arr.min()), "token ids must be >= 0")
     return arr

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvflow._validate import int_vector
 from kvflow.errors import InvalidArgumentError, LayoutError
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class KVLayout:
     @classmethod
     def from_mla_tensors(cls, tensors: Sequence[torch.Tensor], *, block_size: int) -> KVLayout:
         """One ``[num_blocks, block_size, dim]`` latent tensor per layer (MLA)."""
+        _check_block_size(block_size)
         per_layer = []
         for i, t in enumerate(_listed(tensors)):
             _check_tensor(t, f"tensors[{i}]")
@@ -105,8 +107,7 @@ class KVLayout:
         kind: str,
         keep: tuple[Any, ...] = (),
     ) -> KVLayout:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise LayoutError("block_size", block_size, "must be an integer >= 1")
+        _check_block_size(block_size)
         if not per_layer or any(len(parts) == 0 for parts in per_layer):
             raise LayoutError("tensors", per_layer, "need at least one layer with one tensor")
         first = per_layer[0][0]
@@ -215,14 +216,7 @@ class KVLayout:
 
     def check_block_ids(self, block_ids: Any, *, argument: str = "block_ids") -> np.ndarray:
         """Block ids as an int64 array; refuses non-integers and ids outside [0, num_blocks)."""
-        if hasattr(block_ids, "detach"):  # a torch tensor
-            block_ids = block_ids.detach().cpu().numpy()
-        arr = np.asarray(block_ids)
-        if arr.ndim != 1:
-            raise InvalidArgumentError(argument, block_ids, "must be a 1-D sequence of ints")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise InvalidArgumentError(argument, block_ids, "must be integers")
-        arr = arr.astype(np.int64, copy=False)
+        arr = int_vector(block_ids, argument, "block ids")
         if arr.size and (arr.min() < 0 or arr.max() >= self.num_blocks):
             bad = arr[(arr < 0) | (arr >= self.num_blocks)][0]
             raise InvalidArgumentError(
@@ -237,6 +231,11 @@ class KVLayout:
             f"num_blocks={self.num_blocks}, block_size={self.block_size}, dtype={self.dtype}, "
             f"device={self.device}, block_bytes={self.block_bytes})"
         )
+
+
+def _check_block_size(block_size: Any) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise LayoutError("block_size", block_size, "must be an integer >= 1")
 
 
 def _listed(tensors: Any) -> list[Any]:
