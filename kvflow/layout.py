@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -158,12 +159,16 @@ class KVLayout:
 
     def layer_block_bytes(self, layer: int) -> int:
         """Bytes of one block of one layer, all parts."""
-        return sum(p.block_bytes for p in self.layers[layer])
+        return int(self._layer_bytes[layer])
 
-    @property
+    @cached_property
+    def _layer_bytes(self) -> np.ndarray:
+        return np.array([sum(p.block_bytes for p in parts) for parts in self.layers], np.int64)
+
+    @cached_property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers and parts."""
-        return sum(self.layer_block_bytes(i) for i in range(self.num_layers))
+        return int(self._layer_bytes.sum())
 
     def object_bytes(self, chunk_blocks: int) -> int:
         """Size of one pool object: a chunk of ``chunk_blocks`` blocks, all layers."""
@@ -171,8 +176,23 @@ class KVLayout:
 
     def layer_offsets(self, chunk_blocks: int) -> np.ndarray:
         """Offset of each layer inside a pool object (int64, length num_layers)."""
-        sizes = np.array([self.layer_block_bytes(i) for i in range(self.num_layers)], np.int64)
-        return np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64) * chunk_blocks
+        offsets: np.ndarray = self._layer_starts * chunk_blocks
+        return offsets
+
+    @cached_property
+    def _layer_starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self._layer_bytes[:-1])]).astype(np.int64)
+
+    @cached_property
+    def part_bases(self) -> tuple[np.ndarray, ...]:
+        """Per layer, the base address of each part (int64 arrays)."""
+        return tuple(np.array([p.base for p in parts], np.int64) for parts in self.layers)
+
+    @cached_property
+    def signatures(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per layer, ``((block_stride, block_bytes), ...)`` of its parts: layers with equal
+        signatures share one address template."""
+        return tuple(tuple((p.block_stride, p.block_bytes) for p in parts) for parts in self.layers)
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, nbytes) spans of device memory that copies may touch, merged."""

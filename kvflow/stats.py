@@ -12,7 +12,8 @@ __all__ = ["EngineStats"]
 class EngineStats:
     """Counters of one TransferEngine. Updated on the engine's loop only; ``stats()`` copies.
 
-    ``store_metadata_calls`` counts lookup/open/finish/close calls, ``copy_calls`` the per-layer
+    ``store_metadata_calls`` counts lookup/open/finish/close calls and ``keys_touched`` the keys
+    they carried; ``copy_calls`` counts the per-layer
     ``batch_copy`` calls and ``copy_ranges`` the ranges they carried. ``hit_chunks`` and
     ``miss_chunks`` count lookups; ``load_missing_chunks`` chunks gone between lookup and load.
     ``layer_wait_s[i]`` sums the time consumers spent in ``wait_layer(i)``.

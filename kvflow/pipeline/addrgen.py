@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvflow.layout import KVLayout, KVPart
+from kvflow.layout import KVLayout
 
 __all__ = [
     "BatchAddresses",
@@ -154,10 +154,10 @@ class BatchAddresses:
         chunk_blocks: int,
         max_bytes: int,
     ) -> None:
-        self._bases = [np.array([p.base for p in parts], np.int64) for parts in layout.layers]
+        self._bases = layout.part_bases
         self._layer_off = layout.layer_offsets(chunk_blocks)
         self._object_bases = np.asarray(object_bases, np.int64)
-        self._signature = [_signature(parts) for parts in layout.layers]
+        self._signature = layout.signatures
         self._templates = {
             sig: build_template(sig, block_ids, chunk_blocks, max_bytes)
             for sig in set(self._signature)
@@ -169,10 +169,6 @@ class BatchAddresses:
         local = (bases[t.part] if bases.shape[0] > 1 else bases[0]) + t.local_rel
         pool = self._object_bases[t.chunk] + (self._layer_off[layer] + t.pool_rel)
         return LayerRanges(local=local, pool=pool, sizes=t.sizes, chunk=t.chunk)
-
-
-def _signature(parts: tuple[KVPart, ...]) -> Signature:
-    return tuple((p.block_stride, p.block_bytes) for p in parts)
 
 
 def reference_layer_ranges(

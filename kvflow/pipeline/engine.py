@@ -29,6 +29,7 @@ from kvflow.layout import KVLayout
 from kvflow.pipeline.batch import BatchPlan, plan_batch
 from kvflow.pipeline.executor import PinnedExecutor
 from kvflow.pipeline.handles import LoadHandle, SaveHandle, _Transfer
+from kvflow.pipeline.waits import future_within
 from kvflow.results import ChunkStatus, TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores.base import Store, WriteStatus
@@ -230,28 +231,32 @@ class TransferEngine:
         what it reserved). With ``fail_ok`` a failure is logged and swallowed (cleanup paths).
         """
         self._stats.store_metadata_calls += 1
-        keys = args[0] if args and isinstance(args[0], (tuple, list)) else ()
+        first = args[0] if args else None  # keys, or a session that carries them
+        keys = first if isinstance(first, (tuple, list)) else getattr(first, "keys", ())
         self._stats.keys_touched += len(keys)
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._meta_pool, fn, *args)
         timeout = self.config.op_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
+            finished = await future_within(future, timeout)
         except asyncio.CancelledError:
             if on_late is not None:  # what the call reserves is released when it returns
                 future.add_done_callback(lambda f: _late(f, on_late))
             raise
-        except asyncio.TimeoutError:
+        name = getattr(fn, "__name__", repr(fn))
+        if not finished:
             self._stats.timeouts += 1
             if on_late is not None:
                 future.add_done_callback(lambda f: _late(f, on_late))
             if fail_ok:
-                log.warning("kvflow: store call %s timed out", getattr(fn, "__name__", fn))
+                log.warning("kvflow: store call %s timed out", name)
                 return None  # type: ignore[return-value]
-            raise TransferTimeoutError(f"store.{getattr(fn, '__name__', fn)}", timeout) from None
+            raise TransferTimeoutError(f"store.{name}", timeout)
+        try:
+            return future.result()
         except KVFlowError as exc:
             if fail_ok:
-                log.warning("kvflow: store call %s failed: %s", getattr(fn, "__name__", fn), exc)
+                log.warning("kvflow: store call %s failed: %s", name, exc)
                 return None  # type: ignore[return-value]
             raise
 

@@ -29,6 +29,7 @@ import numpy as np
 from kvflow.errors import ClosedError, InvalidArgumentError, TransferTimeoutError
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
 from kvflow.pipeline.batch import BatchPlan
+from kvflow.pipeline.waits import acquire_within, event_within, future_within
 from kvflow.results import ChunkStatus, TransferResult
 from kvflow.stores.base import Direction, ReadSession, WriteSession
 
@@ -163,12 +164,13 @@ class _Transfer:
         timeout = self._engine.config.copy_timeout_s
         failed_chunks: np.ndarray
         try:
-            failed = await asyncio.wait_for(asyncio.shield(future), timeout)
-            failed_chunks = np.unique(ranges.chunk[np.asarray(failed, dtype=np.int64)])
-        except asyncio.TimeoutError:
-            stats.timeouts += 1
-            self.last_error = TransferTimeoutError(f"copy of layer {layer}", timeout)
-            failed_chunks = np.unique(ranges.chunk)
+            if await future_within(future, timeout):
+                failed = np.asarray(future.result(), dtype=np.int64)
+                failed_chunks = np.unique(ranges.chunk[failed])
+            else:
+                stats.timeouts += 1
+                self.last_error = TransferTimeoutError(f"copy of layer {layer}", timeout)
+                failed_chunks = np.unique(ranges.chunk)
         except Exception as exc:  # a store failure is data: the layer's chunks fail
             log.warning("kvflow: copy of layer %d failed: %r", layer, exc)
             self.last_error = exc
@@ -237,10 +239,8 @@ class _Transfer:
     async def wait(self, timeout: float | None = None) -> TransferResult:
         """The batch's result, once every layer is done and the store is updated."""
         timeout = self._engine.config.op_timeout_s if timeout is None else timeout
-        try:
-            await asyncio.wait_for(self._result_ready.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise TransferTimeoutError(f"{type(self).__name__}.wait", timeout) from None
+        if not await event_within(self._result_ready, timeout):
+            raise TransferTimeoutError(f"{type(self).__name__}.wait", timeout)
         assert self._result is not None
         return self._result
 
@@ -327,11 +327,11 @@ class LoadHandle(_Transfer):
         start = time.perf_counter()
         self._consume(layer - 1)
         try:
-            await asyncio.wait_for(self._events[layer].wait(), timeout)
-        except asyncio.TimeoutError:
-            raise TransferTimeoutError(f"load of layer {layer}", timeout) from None
+            ready = await event_within(self._events[layer], timeout)
         finally:
             self._engine._record_wait(layer, time.perf_counter() - start)
+        if not ready:
+            raise TransferTimeoutError(f"load of layer {layer}", timeout)
         self._consume(layer)
         if self._closed:
             raise ClosedError("LoadHandle")
@@ -391,10 +391,8 @@ class SaveHandle(_Transfer):
         if layer in self._seen:
             raise InvalidArgumentError("layer", layer, "this layer was already written")
         timeout = self._engine.config.op_timeout_s if timeout is None else timeout
-        try:
-            await asyncio.wait_for(self._backlog.acquire(), timeout)
-        except asyncio.TimeoutError:
-            raise TransferTimeoutError(f"save backlog slot for layer {layer}", timeout) from None
+        if not await acquire_within(self._backlog, timeout):
+            raise TransferTimeoutError(f"save backlog slot for layer {layer}", timeout)
         self._seen.add(layer)
         self._written.put_nowait((layer, token))
 

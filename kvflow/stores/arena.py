@@ -37,6 +37,7 @@ class _Entry:
 class _Session:
     writing: bool
     keys: list[str] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # index of each key in open_write's keys
 
 
 class ArenaIndex:
@@ -106,16 +107,18 @@ class ArenaIndex:
             self._entries[key] = _Entry(offset=offset, size=nbytes)
             self._used += nbytes
             session.keys.append(key)
+            session.positions.append(i)
             offsets[i] = offset
             status[i] = WriteStatus.GRANTED
         return self._open(session), offsets, status
 
-    def finish_write(self, handle: int, keys: Sequence[str], ok: np.ndarray) -> None:
+    def finish_write(self, handle: int, ok: np.ndarray) -> None:
+        """Commit the granted keys whose flag (at the key's position in ``open_write``) is set;
+        abort the others. An empty ``ok`` aborts everything."""
         session = self._close(handle, writing=True)
-        commit = {k for k, good in zip(keys, ok, strict=True) if good}
-        for key in session.keys:
+        for key, pos in zip(session.keys, session.positions, strict=True):
             entry = self._entries[key]
-            if key in commit:
+            if pos < len(ok) and ok[pos]:
                 entry.committed = True
                 self._lru[key] = None
             else:
@@ -151,7 +154,7 @@ class ArenaIndex:
         """Abort every pending write and release every lease (the owner is going away)."""
         for handle, session in list(self._sessions.items()):
             if session.writing:
-                self.finish_write(handle, (), np.zeros(0, dtype=bool))
+                self.finish_write(handle, np.zeros(0, dtype=bool))
             else:
                 self.close_read(handle)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import threading
 from collections.abc import Sequence
@@ -20,10 +19,10 @@ from kvflow.stores.base import (
     StoreUsage,
     WriteSession,
 )
+from kvflow.stores.copyloop import copy_ranges
 
 __all__ = ["LocalStore"]
 
-_memmove = ctypes.memmove
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PAGE = mmap.PAGESIZE
 
@@ -39,9 +38,12 @@ class LocalStore(Store):
     ``kvflow.stores.base`` for the contract). A save that finds no room is skipped and counted.
 
     Concurrency: every method is thread-safe. Metadata calls take one lock for a few
-    microseconds per key; ``batch_copy`` takes no lock and releases the GIL for each range, so
-    several copy threads run in parallel. ``close()`` aborts pending writes and drops leases; the
-    memory itself lives until the store object is garbage, so a straggling copy cannot fault.
+    microseconds per key; ``batch_copy`` takes no lock and copies without the GIL (see
+    ``kvflow.stores.copyloop``), so several copy threads run in parallel. ``close()`` aborts
+    pending writes and drops leases; finishing or closing a session after ``close()`` is a
+    no-op. The memory itself lives until the store object is garbage, so a straggling copy
+    cannot fault. ``usage().used`` counts object bytes; each object occupies a 4 KiB-aligned
+    slot.
     """
 
     def __init__(self, capacity: int | str = "1GiB", *, prefault: bool = False) -> None:
@@ -90,7 +92,7 @@ class LocalStore(Store):
             raise InvalidArgumentError("ok", ok.shape, f"expected {len(session.keys)} flags")
         with self._lock:
             if not self._closed:
-                self._index.finish_write(session.handle, session.keys, ok)
+                self._index.finish_write(session.handle, ok)
 
     def open_read(self, keys: Sequence[str]) -> ReadSession:
         keys = tuple(keys)
@@ -120,8 +122,7 @@ class LocalStore(Store):
             dst, src = local_addrs, pool_addrs
         else:
             raise InvalidArgumentError("direction", direction, "expected a Direction")
-        for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
-            _memmove(d, s, n)
+        copy_ranges(dst, src, sizes)
         return np.zeros(0, dtype=np.int64)
 
     def usage(self) -> StoreUsage:
@@ -156,7 +157,8 @@ class LocalStore(Store):
         if sizes.min() < 0:
             raise InvalidArgumentError("sizes", int(sizes.min()), "sizes must be >= 0")
         lo, hi = self._base, self._base + self.capacity
-        if pool.min() < lo or (pool + sizes).max() > hi:
+        # compare sizes with the room left, never addr + size, which can wrap past 2**63
+        if pool.min() < lo or pool.max() > hi or (sizes > hi - pool).any():
             raise InvalidArgumentError("pool_addrs", hex(int(pool.min())), "outside the arena")
         regions = self._regions
         if regions.shape[0] == 0:
@@ -164,7 +166,7 @@ class LocalStore(Store):
                 "local_addrs", hex(int(local[0])), "no local memory is registered (call register())"
             )
         idx = np.searchsorted(regions[:, 0], local, side="right") - 1
-        inside = (idx >= 0) & (local + sizes <= regions[np.maximum(idx, 0), 1])
+        inside = (idx >= 0) & (sizes <= regions[np.maximum(idx, 0), 1] - local)
         if not inside.all():
             bad = int(local[~inside][0])
             raise InvalidArgumentError(

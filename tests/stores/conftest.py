@@ -1,0 +1,157 @@
+"""Fixtures for the store contract suite: every store in STORE_FACTORIES runs every test.
+
+To run the suite against another pool engine, add one line to STORE_FACTORIES: a name and a
+callable that takes a capacity in bytes and returns an open store of exactly that capacity (the
+eviction tests count objects). A factory whose engine is unavailable may call ``pytest.skip``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import pytest
+
+from kvflow import Direction, LocalStore, Store, StoreUsage, SupportsUsage, WriteStatus
+
+__all__ = [
+    "GUARD",
+    "OBJ_BYTES",
+    "SMALL_OBJECTS",
+    "STORE_CAPACITY",
+    "STORE_FACTORIES",
+    "addr",
+    "alloc_registered",
+    "content",
+    "make_store",
+    "read_objects",
+    "usage",
+    "write_objects",
+]
+
+StoreFactory = Callable[[int], Store]
+
+STORE_FACTORIES: dict[str, StoreFactory] = {
+    "local": lambda capacity: LocalStore(capacity),
+}
+
+STORE_CAPACITY = 16 << 20  # the `store` fixture
+OBJ_BYTES = 8192  # object size the tests use: a whole number of 4 KiB slots
+SMALL_OBJECTS = 4  # the `small_store` fixture holds exactly this many OBJ_BYTES objects
+GUARD = 4096  # unregistered bytes on either side of every buffer alloc_registered returns
+
+
+def make_store(name: str, capacity: int) -> Store:
+    """A fresh store from the registry; the caller closes it."""
+    return STORE_FACTORIES[name](capacity)
+
+
+@pytest.fixture(params=sorted(STORE_FACTORIES))
+def store_name(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+def store(store_name: str) -> Iterator[Store]:
+    """A store of STORE_CAPACITY bytes, closed after the test."""
+    s = make_store(store_name, STORE_CAPACITY)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def small_store(store_name: str) -> Iterator[Store]:
+    """A store with room for exactly SMALL_OBJECTS objects of OBJ_BYTES: for eviction tests."""
+    s = make_store(store_name, SMALL_OBJECTS * OBJ_BYTES)
+    yield s
+    s.close()
+
+
+def alloc_registered(store: Store, nbytes: int, *, fill: int | None = None) -> np.ndarray:
+    """A host buffer of ``nbytes`` (uint8) registered with ``store``.
+
+    The buffer is the middle of a larger allocation: the GUARD bytes either side are never
+    registered, so ``addr(buf) - 1`` and ``addr(buf) + nbytes`` are known to lie outside
+    registered memory. The returned view keeps the whole allocation alive.
+    """
+    whole = np.zeros(nbytes + 2 * GUARD, dtype=np.uint8)
+    buf = whole[GUARD : GUARD + nbytes]
+    if fill is not None:
+        buf[:] = fill
+    store.register([(addr(buf), nbytes)])
+    return buf
+
+
+def content(key: str, size: int = OBJ_BYTES) -> np.ndarray:
+    """The bytes the suite stores under ``key``: a deterministic function of the key."""
+    return np.frombuffer(hashlib.shake_256(key.encode()).digest(size), dtype=np.uint8)
+
+
+def addr(buf: np.ndarray) -> int:
+    return int(buf.ctypes.data)
+
+
+def usage(store: Store) -> StoreUsage:
+    assert isinstance(store, SupportsUsage), f"{type(store).__name__} does not report usage()"
+    return store.usage()
+
+
+def _i64(values: Sequence[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+def write_objects(
+    store: Store,
+    contents: dict[str, np.ndarray],
+    *,
+    staging: np.ndarray | None = None,
+) -> np.ndarray:
+    """Write and commit each key with its bytes (all the same size); returns the write status.
+
+    ``staging`` is a registered buffer of at least ``len(contents) * size`` bytes (allocated and
+    registered here when omitted).
+    """
+    keys = list(contents)
+    size = len(contents[keys[0]])
+    if staging is None:
+        staging = alloc_registered(store, len(keys) * size)
+    session = store.open_write(keys, size)
+    granted = np.flatnonzero(session.status == WriteStatus.GRANTED)
+    for j, i in enumerate(granted):
+        staging[j * size : (j + 1) * size] = contents[keys[i]]
+    if granted.size:
+        local = [addr(staging) + j * size for j in range(granted.size)]
+        failed = store.batch_copy(
+            _i64(session.addrs[granted]),
+            _i64(local),
+            _i64([size] * granted.size),
+            Direction.TO_POOL,
+        )
+        assert failed.size == 0
+    store.finish_write(session, np.ones(len(keys), dtype=bool))
+    status: np.ndarray = session.status
+    return status
+
+
+def read_objects(store: Store, keys: Sequence[str], size: int) -> dict[str, np.ndarray | None]:
+    """Read each key's ``size`` bytes through open_read (None where not found)."""
+    dst = alloc_registered(store, len(keys) * size)
+    session = store.open_read(keys)
+    try:
+        found = np.flatnonzero(session.found)
+        if found.size:
+            failed = store.batch_copy(
+                _i64(session.addrs[found]),
+                _i64([addr(dst) + int(i) * size for i in found]),
+                _i64([size] * found.size),
+                Direction.FROM_POOL,
+            )
+            assert failed.size == 0
+    finally:
+        store.close_read(session)
+    return {
+        key: dst[i * size : (i + 1) * size].copy() if session.found[i] else None
+        for i, key in enumerate(keys)
+    }
