@@ -39,7 +39,9 @@ from kvflow.pipeline import (
 from kvflow.results import ChunkStatus, RequestResult, TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores import (
+    CopyRecord,
     Direction,
+    InstrumentedStore,
     LocalStore,
     ReadSession,
     Store,
@@ -55,10 +57,12 @@ __all__ = [
     "ChunkStatus",
     "ClosedError",
     "ConfigError",
+    "CopyRecord",
     "DeviceOps",
     "Direction",
     "EngineConfig",
     "EngineStats",
+    "InstrumentedStore",
     "InvalidArgumentError",
     "KVFlowError",
     "KVLayout",

@@ -9,10 +9,13 @@ from kvflow.stores.base import (
     WriteSession,
     WriteStatus,
 )
+from kvflow.stores.instrumented import CopyRecord, InstrumentedStore
 from kvflow.stores.local import LocalStore
 
 __all__ = [
+    "CopyRecord",
     "Direction",
+    "InstrumentedStore",
     "LocalStore",
     "ReadSession",
     "Store",

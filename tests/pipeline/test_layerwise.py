@@ -52,7 +52,7 @@ async def test_load_waits_follow_copies_and_window_holds(prefetch: int) -> None:
         handle_box.append(handle)
         for layer in range(layers):
             await handle.wait_layer(layer)
-            done = [d for d, _ in store.copies if d == Direction.FROM_POOL]
+            done = [c for c in store.copies if c.direction == Direction.FROM_POOL]
             assert len(done) >= layer + 1, "wait_layer returned before its copy finished"
             await asyncio.sleep(0.003)  # the consumer computes this layer
         result = await handle.wait()
