@@ -225,7 +225,8 @@ class TransferEngine:
         on_late: Callable[[T], None] | None = None,
         fail_ok: bool = False,
     ) -> T:
-        """Run a store metadata call on the metadata thread, with ``op_timeout_s``.
+        """Run a store metadata call on the metadata thread, with ``op_timeout_s`` (or inline,
+        for stores whose metadata is in-process: see ``Store.inline_metadata``).
 
         A call that returns after its timeout hands its result to ``on_late`` (which releases
         what it reserved). With ``fail_ok`` a failure is logged and swallowed (cleanup paths).
@@ -234,8 +235,14 @@ class TransferEngine:
         first = args[0] if args else None  # keys, or a session that carries them
         keys = first if isinstance(first, (tuple, list)) else getattr(first, "keys", ())
         self._stats.keys_touched += len(keys)
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._meta_pool, fn, *args)
+        if self.store.inline_metadata:
+            future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            try:
+                future.set_result(fn(*args))
+            except KVFlowError as exc:
+                future.set_exception(exc)
+        else:
+            future = asyncio.get_running_loop().run_in_executor(self._meta_pool, fn, *args)
         timeout = self.config.op_timeout_s
         try:
             finished = await future_within(future, timeout)

@@ -143,6 +143,8 @@ class _Transfer:
         )
         if self.direction == Direction.FROM_POOL:
             device.layer_loaded(layer)
+            if len(failed) == 0:  # the fast path: a waiting consumer wakes without a loop hop
+                self.layer_events[layer].set()
         return failed
 
     async def _complete(self) -> None:
@@ -316,6 +318,12 @@ class LoadHandle(_Transfer):
         for _ in range(self._consumed, layer + 1):
             self._slots.release()
         self._consumed = max(self._consumed, layer + 1)
+
+    def _passed_layer(self, layer: int, waited_s: float, ready: bool) -> None:
+        """A synchronous consumer waited ``waited_s`` for ``layer`` (and passed it if ready)."""
+        self._engine._record_wait(layer, waited_s)
+        if ready:
+            self._consume(layer)
 
     async def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Return when ``layer`` of every chunk is in device memory (or has failed: see

@@ -140,9 +140,13 @@ class _SyncHandle:
 
 
 class SyncLoadHandle(_SyncHandle):
-    """Blocking view of a LoadHandle."""
+    """Blocking view of a LoadHandle. One loop hop per ``wait_layer``, sent without waiting."""
 
     handle: LoadHandle
+
+    def __init__(self, owner: SyncTransferEngine, handle: LoadHandle) -> None:
+        super().__init__(owner, handle)
+        self._passed = -1  # the last layer this caller has waited for
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer`` is in device memory; moves the prefetch window forward."""
@@ -150,14 +154,14 @@ class SyncLoadHandle(_SyncHandle):
         layer = h._engine.layout.check_layer(layer)
         limit = self._owner._timeout if timeout is None else timeout
         loop = self._owner._loop
-        if layer > 0:
+        if layer > self._passed + 1:  # layers skipped: they must not hold the window shut
             loop.call_soon_threadsafe(h._consume, layer - 1)
         start = time.perf_counter()
         ready = h.layer_events[layer].wait(limit)
-        loop.call_soon_threadsafe(h._engine._record_wait, layer, time.perf_counter() - start)
+        loop.call_soon_threadsafe(h._passed_layer, layer, time.perf_counter() - start, ready)
         if not ready:
             raise TransferTimeoutError(f"load of layer {layer}", limit)
-        loop.call_soon_threadsafe(h._consume, layer)
+        self._passed = max(self._passed, layer)
         if h._closed:
             raise ClosedError("LoadHandle")
 

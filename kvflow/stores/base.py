@@ -103,7 +103,14 @@ class StoreUsage:
 
 
 class Store(ABC):
-    """A KV pool. See the module docstring for the contract every method keeps."""
+    """A KV pool. See the module docstring for the contract every method keeps.
+
+    ``inline_metadata`` is True for stores whose metadata calls are in-process and take
+    microseconds (never a socket or a remote call): the engine then calls them on its event loop
+    instead of hopping to its metadata thread, which costs more than the call itself.
+    """
+
+    inline_metadata: bool = False
 
     @abstractmethod
     def register(self, regions: Sequence[tuple[int, int]]) -> None:

@@ -41,6 +41,7 @@ class InstrumentedStore(Store):
 
     def __init__(self, inner: Store, *, record_copies: bool = False) -> None:
         self.inner = inner
+        self.inline_metadata = inner.inline_metadata
         self.record_copies = record_copies
         self.calls: dict[str, int] = {}
         self.keys: dict[str, int] = {}

@@ -46,6 +46,8 @@ class LocalStore(Store):
     slot.
     """
 
+    inline_metadata = True
+
     def __init__(self, capacity: int | str = "1GiB", *, prefault: bool = False) -> None:
         size = parse_size(capacity, argument="capacity")
         if size < SLOT_ALIGN:

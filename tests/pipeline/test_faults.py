@@ -202,7 +202,9 @@ async def test_store_down_turns_into_misses_and_failed_chunks(setup) -> None:
 
 
 async def test_metadata_call_that_hangs_times_out(setup) -> None:
+    """A store whose metadata crosses a socket (not inline) and hangs: the call times out."""
     caches, layout, store = setup
+    store.inline_metadata = False
     gate = threading.Event()
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, op_timeout_s=0.2)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:

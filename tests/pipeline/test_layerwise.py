@@ -107,12 +107,14 @@ async def test_layer_events_are_set_in_the_order_layers_were_written() -> None:
     store.close()
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "metadata-thread"])
 @pytest.mark.parametrize("layers", [1, 8, 32, 61])
-async def test_metadata_calls_per_batch_do_not_grow_with_layers(layers: int) -> None:
+async def test_metadata_calls_per_batch_do_not_grow_with_layers(layers: int, inline: bool) -> None:
     layout = kvflow.KVLayout.from_tensors(
         make_caches(layers, num_blocks=32, block_shape=(16,), dtype=torch.uint8), block_size=BS
     )
     store = WrappedStore(kvflow.LocalStore("16MiB"))
+    store.inline_metadata = inline
     async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=2)) as engine:
         tokens = tokens_for(8, 2)
         await engine.save(tokens, np.arange(16))
