@@ -1,0 +1,277 @@
+"""What the scenarios share: timing, argument parsing, small layouts and stores, copy set-ups.
+
+Timing is wall clock (``time.perf_counter``) everywhere: the copy scenario runs copies on
+several threads, where a thread's CPU time says nothing about throughput. Noise from other work
+on the machine is handled by taking the best of N repeats and by timing the things a ratio
+compares in turn inside every repeat, so that a slow spell hits both sides.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.config import EngineConfig, parse_size
+from kvflow.layout import KVLayout
+from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
+from kvflow.pipeline.executor import PinnedExecutor
+from kvflow.stores.arena import SLOT_ALIGN
+from kvflow.stores.base import Direction, Store
+from kvflow.stores.local import LocalStore
+
+__all__ = [
+    "CHUNK_BLOCKS",
+    "DIRECTIONS",
+    "KiB",
+    "MAX_TRANSFER_BYTES",
+    "MiB",
+    "CopyBench",
+    "Memcpy",
+    "best_times",
+    "cpu_list",
+    "fmt_bytes",
+    "gc_paused",
+    "int_list",
+    "load_average",
+    "pick",
+    "pin_cpus",
+    "size_arg",
+    "size_list",
+    "small_layout",
+    "store_for",
+    "submit_copy",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+CHUNK_BLOCKS = 16
+MAX_TRANSFER_BYTES = EngineConfig().transfer_limit
+DIRECTIONS = (("to_pool", Direction.TO_POOL), ("from_pool", Direction.FROM_POOL))
+
+
+# -- arguments and formatting ---------------------------------------------------------------
+
+
+def size_arg(text: str) -> int:
+    """``"64MiB"`` -> ``67108864`` (argparse ``type``)."""
+    return parse_size(text.strip(), argument="size")
+
+
+def size_list(text: str) -> list[int]:
+    """``"4KiB,1MiB"`` -> ``[4096, 1048576]`` (argparse ``type``)."""
+    return [size_arg(s) for s in text.split(",") if s.strip()]
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (argparse ``type``)."""
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def cpu_list(text: str) -> tuple[int, ...]:
+    return tuple(int_list(text))
+
+
+def pick(value: Any, quick: bool, full: Any, small: Any) -> Any:
+    """An option's value if given, else the quick or the full default."""
+    if value is not None:
+        return value
+    return small if quick else full
+
+
+def fmt_bytes(n: int) -> str:
+    if n >= MiB and n % MiB == 0:
+        return f"{n // MiB} MiB"
+    if n >= KiB and n % KiB == 0:
+        return f"{n // KiB} KiB"
+    return f"{n} B"
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def pin_cpus(threads: int) -> tuple[int, ...]:
+    """The last ``threads`` CPUs this process may run on: where pinned copy threads go."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return ()
+    return tuple(cpus[-threads:])
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block (a collection would be timed)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def best_times(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1) -> list[float]:
+    """Best wall-clock seconds of each function over ``repeats`` rounds, the functions timed in
+    turn inside every round, after ``warmup`` untimed rounds."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    best = [float("inf")] * len(fns)
+    with gc_paused():
+        for _ in range(max(repeats, 1)):
+            for i, fn in enumerate(fns):
+                start = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+# -- stores ---------------------------------------------------------------------------------
+
+
+def store_for(layout: KVLayout, chunk_blocks: int, objects: int, **kw: Any) -> LocalStore:
+    """A LocalStore with room for ``objects`` chunk objects of ``layout`` (and one spare)."""
+    slot = -(-layout.object_bytes(chunk_blocks) // SLOT_ALIGN) * SLOT_ALIGN
+    return LocalStore((objects + 1) * slot, **kw)
+
+
+def small_layout(
+    layers: int, blocks: int, block_bytes: int, seed: int = 0
+) -> tuple[list[torch.Tensor], KVLayout]:
+    """``layers`` random ``uint8 [blocks, block_bytes]`` tensors and their layout (16 tokens
+    per block)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [
+        torch.randint(0, 256, (blocks, block_bytes), generator=gen, dtype=torch.uint8)
+        for _ in range(layers)
+    ]
+    return tensors, KVLayout.from_tensors(tensors, block_size=16)
+
+
+# -- copies ---------------------------------------------------------------------------------
+
+
+class Memcpy:
+    """The memcpy reference: one ``numpy.copyto`` of ``nbytes`` between two buffers whose pages
+    are already mapped."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = np.full(nbytes, 7, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, dtype=np.uint8)
+
+    def of(self, nbytes: int) -> Callable[[], None]:
+        src, dst = self.src[:nbytes], self.dst[:nbytes]
+
+        def copy() -> None:
+            np.copyto(dst, src)
+
+        return copy
+
+
+class CopyBench:
+    """A device tensor ``uint8 [n_blocks, block_bytes]`` and a LocalStore (prefaulted) holding
+    one granted object per chunk of ``chunk_blocks`` blocks: what ``batch_copy`` moves between.
+
+    Every block carries its id in its first and last 8 bytes, so ``verify`` catches a missing,
+    misplaced or truncated block copy.
+    """
+
+    def __init__(self, block_bytes: int, n_blocks: int, chunk_blocks: int = CHUNK_BLOCKS) -> None:
+        n_blocks = max(chunk_blocks, n_blocks - n_blocks % chunk_blocks)
+        self.block_bytes = block_bytes
+        self.n_blocks = n_blocks
+        self.nbytes = n_blocks * block_bytes
+        self.chunk_blocks = chunk_blocks
+        self.device = torch.empty((n_blocks, block_bytes), dtype=torch.uint8)
+        self._stamp()
+        self.layout = KVLayout.from_tensors([self.device], block_size=16)
+        n_chunks = n_blocks // chunk_blocks
+        self.store = store_for(self.layout, chunk_blocks, n_chunks, prefault=True)
+        self.store.register(self.layout.regions())
+        obj = self.layout.object_bytes(chunk_blocks)
+        self.session = self.store.open_write([f"copy/{i}" for i in range(n_chunks)], obj)
+        if not self.session.granted.all():
+            raise RuntimeError("the copy benchmark's store did not grant every object")
+
+    def _stamp(self) -> None:
+        blocks = self.device.numpy()
+        blocks[:] = np.random.default_rng(0).integers(0, 256, blocks.shape[1], dtype=np.uint8)
+        ids = np.arange(self.n_blocks, dtype=np.int64).view(np.uint8).reshape(-1, 8)
+        blocks[:, :8] = ids
+        blocks[:, -8:] = ids
+
+    def ranges(self, coalesced: bool, seed: int = 0) -> LayerRanges:
+        """The layer's ranges for block ids in order (coalesced per chunk) or a random
+        permutation (one range per block)."""
+        ids = (
+            np.arange(self.n_blocks, dtype=np.int64)
+            if coalesced
+            else np.random.default_rng(seed).permutation(self.n_blocks).astype(np.int64)
+        )
+        addrs = BatchAddresses(
+            self.layout, ids, self.session.addrs, self.chunk_blocks, MAX_TRANSFER_BYTES
+        )
+        return addrs.layer(0)
+
+    def verify(self, ranges: LayerRanges) -> None:
+        """Round-trip every block through the pool and check the stamps."""
+        self.store.batch_copy(ranges.pool, ranges.local, ranges.sizes, Direction.TO_POOL)
+        self.device.zero_()
+        self.store.batch_copy(ranges.pool, ranges.local, ranges.sizes, Direction.FROM_POOL)
+        blocks = self.device.numpy()
+        ids = np.arange(self.n_blocks, dtype=np.int64)
+        head = np.ascontiguousarray(blocks[:, :8]).view(np.int64).reshape(-1)
+        tail = np.ascontiguousarray(blocks[:, -8:]).view(np.int64).reshape(-1)
+        if not (np.array_equal(head, ids) and np.array_equal(tail, ids)):
+            raise RuntimeError(f"a round trip of {fmt_bytes(self.block_bytes)} blocks lost data")
+
+    def close(self) -> None:
+        self.store.finish_write(self.session, np.zeros(len(self.session.keys), dtype=bool))
+        self.store.close()
+
+
+def submit_copy(
+    store: Store, ranges: LayerRanges, direction: Direction, executor: PinnedExecutor
+) -> Callable[[], None]:
+    """A call that copies ``ranges`` on the executor's threads and waits: the ranges are cut
+    into one piece per thread, of about equal bytes, each piece one ``batch_copy`` (as the
+    engine's copy threads each run one layer's ``batch_copy``)."""
+    ends = np.cumsum(ranges.sizes)
+    total = int(ends[-1]) if ends.size else 0
+    cuts = np.searchsorted(
+        ends, [total * k // executor.threads for k in range(1, executor.threads)]
+    )
+    bounds = [0, *sorted({int(c) + 1 for c in cuts if c + 1 < len(ranges)}), len(ranges)]
+    pieces = [
+        (ranges.pool[a:b].copy(), ranges.local[a:b].copy(), ranges.sizes[a:b].copy())
+        for a, b in itertools.pairwise(bounds)
+        if b > a
+    ]
+
+    def copy() -> None:
+        futures: list[Future[np.ndarray]] = [
+            executor.submit(store.batch_copy, pool, local, sizes, direction)
+            for pool, local, sizes in pieces
+        ]
+        for future in futures:
+            if future.result().size:
+                raise RuntimeError("batch_copy reported failed ranges")
+
+    return copy

@@ -1,0 +1,221 @@
+"""``kvflow bench copy``: LocalStore.batch_copy throughput against memcpy of the same bytes.
+
+For each block size and block-id order (in order, so each chunk's blocks coalesce into one
+range; or a random permutation, one range per block) and each direction, one round times, in
+turn: the memcpy reference (one ``numpy.copyto`` of the same total bytes between two other
+buffers), then ``batch_copy`` in every variant: the native loop on 1 and 2 copy threads of a
+kvflow ``PinnedExecutor``, unpinned and pinned (``copy_cpus``), and the Python fallback loop
+(what an install without a C compiler runs). Each figure is the best of N rounds; each ratio is
+to the memcpy of the same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+from kvflow.bench.common import (
+    CHUNK_BLOCKS,
+    DIRECTIONS,
+    CopyBench,
+    KiB,
+    Memcpy,
+    MiB,
+    best_times,
+    cpu_list,
+    fmt_bytes,
+    int_list,
+    load_average,
+    pick,
+    pin_cpus,
+    size_arg,
+    size_list,
+    submit_copy,
+)
+from kvflow.bench.report import Report
+from kvflow.pipeline.addrgen import LayerRanges
+from kvflow.pipeline.executor import PinnedExecutor
+from kvflow.stores import local as local_module
+from kvflow.stores.base import Direction
+from kvflow.stores.copyloop import NATIVE, STREAM_MIN_BYTES, copy_ranges
+
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
+
+DESCRIPTION = "LocalStore.batch_copy throughput against memcpy (numpy.copyto) of the same bytes"
+BLOCKS = (4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 * MiB)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bytes", type=size_arg, default=None, help="bytes per copy (256MiB; --quick 64MiB)"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="rounds, best of (9; quick 5)")
+    parser.add_argument("--blocks", type=size_list, default=list(BLOCKS), help="block sizes")
+    parser.add_argument("--threads", type=int_list, default=[1, 2], help="copy threads")
+    parser.add_argument(
+        "--cpus",
+        type=cpu_list,
+        default=None,
+        help="CPUs of the pinned rows (default: the last N available, N threads)",
+    )
+    parser.add_argument(
+        "--no-python-loop", action="store_true", help="skip the Python fallback loop rows"
+    )
+
+
+@dataclass(frozen=True)
+class Variant:
+    loop: str  # "native" or "python"
+    threads: int
+    pinned: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.loop} {self.threads}t{' pin' if self.pinned else ''}"
+
+
+@contextmanager
+def python_loop() -> Iterator[None]:
+    """LocalStore.batch_copy through the Python memmove loop, as without the native module."""
+    fallback = functools.partial(copy_ranges, native=False)
+    with mock.patch.object(local_module, "copy_ranges", fallback):
+        yield
+
+
+def _variants(threads: list[int], python: bool) -> list[Variant]:
+    out = [Variant("native", n, p) for n in threads for p in (False, True)] if NATIVE else []
+    if python or not NATIVE:
+        out += [Variant("python", n, False) for n in threads]
+    return out
+
+
+def _timed(variant: Variant, copy: Callable[[], None]) -> Callable[[], None]:
+    if variant.loop == "native":
+        return copy
+
+    def fallback() -> None:
+        with python_loop():
+            copy()
+
+    return fallback
+
+
+@dataclass
+class _Run:
+    total: int
+    repeats: int
+    variants: list[Variant]
+    pins: dict[int, tuple[int, ...]]
+    executors: dict[tuple[int, bool], PinnedExecutor]
+    memcpy: Memcpy
+
+    def gbps(
+        self, bench: CopyBench, ranges: LayerRanges, direction: Direction
+    ) -> tuple[float, list[float]]:
+        """GB/s of the memcpy reference and of every variant, timed in turn, best of N."""
+        fns = [self.memcpy.of(bench.nbytes)]
+        for v in self.variants:
+            copy = submit_copy(bench.store, ranges, direction, self.executors[v.threads, v.pinned])
+            fns.append(_timed(v, copy))
+        ref, *times = best_times(fns, self.repeats)
+        return bench.nbytes / ref / 1e9, [bench.nbytes / t / 1e9 for t in times]
+
+    def block(self, block: int) -> Iterator[tuple[float, list[Any], list[dict[str, Any]]]]:
+        """Per block-id order and direction: the memcpy GB/s, a table row, the JSON rows."""
+        bench = CopyBench(block, self.total // block)
+        try:
+            for coalesced in (True, False):
+                ranges = bench.ranges(coalesced)
+                bench.verify(ranges)
+                for dname, direction in DIRECTIONS:
+                    ref, rates = self.gbps(bench, ranges, direction)
+                    order = "in order" if coalesced else "random"
+                    cells = [fmt_bytes(block), order, dname, len(ranges), f"{ref:.2f}"]
+                    rows = []
+                    for v, gbps in zip(self.variants, rates, strict=True):
+                        cells.append(f"{gbps:.2f} {gbps / ref:4.0%}")
+                        rows.append(
+                            {
+                                "block_bytes": block,
+                                "threads": v.threads,
+                                "pinned": v.pinned,
+                                "coalesced": coalesced,
+                                "gbps": round(gbps, 3),
+                                "ratio_to_memcpy": round(gbps / ref, 4),
+                                "direction": dname,
+                                "loop": v.loop,
+                                "cpus": list(self.pins[v.threads]) if v.pinned else None,
+                                "ranges": len(ranges),
+                                "bytes": bench.nbytes,
+                                "memcpy_gbps": round(ref, 3),
+                            }
+                        )
+                    yield ref, cells, rows
+        finally:
+            bench.close()
+
+
+def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
+    total = pick(args.bytes, args.quick, 256 * MiB, 64 * MiB)
+    pins = {n: (args.cpus or pin_cpus(n)) for n in args.threads}
+    executors = {
+        (n, p): PinnedExecutor(n, pins[n] if p else ()) for n in args.threads for p in (False, True)
+    }
+    variants = _variants(args.threads, not args.no_python_loop)
+    repeats = pick(args.repeats, args.quick, 9, 5)
+    runner = _Run(total, repeats, variants, pins, executors, Memcpy(total))
+    if not NATIVE:
+        report.note("copy: the native loop is not built; every row is the Python loop")
+    loadavg = load_average()
+    rows: list[dict[str, Any]] = []
+    table: list[list[Any]] = []
+    refs: list[float] = []
+    try:
+        with report.progress(len(args.blocks) * 4, "copy") as bar:
+            for block in args.blocks:
+                for ref, cells, block_rows in runner.block(block):
+                    refs.append(ref)
+                    table.append(cells)
+                    rows += block_rows
+                    bar.step(f"{cells[0]} {cells[1]} {cells[2]}")
+    finally:
+        for executor in executors.values():
+            executor.shutdown(wait=True)
+    report.table(
+        f"copy: GB/s and share of the memcpy measured in the same rounds; "
+        f"{fmt_bytes(total)} per copy, best of {repeats}, chunk_blocks="
+        f"{CHUNK_BLOCKS}; pinned CPUs per thread count { {n: list(c) for n, c in pins.items()} }; "
+        + (
+            f"the native loop streams ranges >= {fmt_bytes(STREAM_MIN_BYTES)}"
+            if NATIVE
+            else "the native loop is not built"
+        ),
+        [
+            "block",
+            "block ids",
+            "direction",
+            "ranges",
+            "memcpy",
+            *(v.label for v in runner.variants),
+        ],
+        table,
+    )
+    return {
+        "scenario": "copy",
+        "memcpy_gbps": round(max(refs), 3),
+        "memcpy_gbps_min": round(min(refs), 3),
+        "bytes": total,
+        "repeats": repeats,
+        "chunk_blocks": CHUNK_BLOCKS,
+        "timer": "perf_counter (wall clock)",
+        "native_loop_built": NATIVE,
+        "stream_min_bytes": STREAM_MIN_BYTES,
+        "pinned_cpus": {str(n): list(c) for n, c in pins.items()},
+        "loadavg_start": loadavg,
+        "rows": rows,
+    }

@@ -1,0 +1,56 @@
+"""The ``kvflow`` command: ``kvflow bench <scenario>``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvflow.bench import SCENARIOS
+from kvflow.bench.report import Report, machine_info, write_json
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: layerwise KV pooling")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="measure kvflow against same-run references")
+    scenarios = bench.add_subparsers(dest="scenario", required=True)
+    for name, module_name in SCENARIOS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # one scenario that cannot load must not take the others
+            scenarios.add_parser(name, help=f"unavailable: {exc}").set_defaults(
+                module=None, error=exc
+            )
+            continue
+        sub = scenarios.add_parser(name, help=module.DESCRIPTION, description=module.DESCRIPTION)
+        sub.add_argument("--quick", action="store_true", help="a smaller run, under 2 minutes")
+        sub.add_argument("--json", metavar="PATH", help="write the results as JSON")
+        if hasattr(module, "plot"):
+            sub.add_argument("--plot", metavar="PATH", help="draw a PNG (needs matplotlib)")
+        module.add_arguments(sub)
+        sub.set_defaults(module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.module is None:
+        print(f"kvflow bench {args.scenario}: {args.error}", file=sys.stderr)
+        return 2
+    report = Report()
+    result = args.module.run(args, report)
+    result.setdefault("machine", machine_info())
+    if args.json:
+        report.note(f"JSON: {write_json(args.json, result)}")
+    if getattr(args, "plot", None):
+        args.module.plot(result, args.plot)
+        report.note(f"plot: {args.plot}")
+    return int(result.get("exit_code", 0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
