@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -30,17 +32,27 @@ T = TypeVar("T")
 
 
 class SyncTransferEngine:
-    """A TransferEngine driven from any thread; its loop lives in a thread it owns."""
+    """A TransferEngine driven from any thread; its loop lives in a thread it owns.
+
+    With ``copy_cpus`` configured, the loop thread pins itself there too: the engine's
+    bookkeeping then never takes time from the cores that compute.
+    """
 
     def __init__(self, layout: KVLayout, store: Store, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="kvflow-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(config.copy_cpus,), name="kvflow-loop", daemon=True
+        )
         self._thread.start()
         self.engine = TransferEngine(layout, store, config)
-        self._timeout = self.engine.config.op_timeout_s
+        self._timeout = config.op_timeout_s
         self._closed = False
 
-    def _run(self) -> None:
+    def _run(self, cpus: tuple[int, ...]) -> None:
+        if cpus and hasattr(os, "sched_setaffinity"):
+            with contextlib.suppress(OSError):  # pinning is an optimisation, not a requirement
+                os.sched_setaffinity(0, cpus)
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
