@@ -18,8 +18,9 @@ from kvflow.stores.base import (
     Store,
     StoreUsage,
     WriteSession,
+    WriteStatus,
 )
-from kvflow.stores.copyloop import copy_ranges
+from kvflow.stores.copyloop import NATIVE, copy_ranges
 
 __all__ = ["LocalStore"]
 
@@ -32,7 +33,8 @@ class LocalStore(Store):
 
     The arena is anonymous memory advised for huge pages. Its pages are mapped on first write,
     which on some machines (VMs with memory ballooning) costs seconds per GiB on the first
-    saves; ``prefault=True`` pays that once, at construction, instead.
+    saves; ``prefault=True`` pays that once, at construction, instead. ``native_copy=False``
+    uses the pure-Python copy loop even where the native one is built (for comparisons).
 
     Two-phase writes, read leases and LRU eviction of committed, unleased objects (see
     ``kvflow.stores.base`` for the contract). A save that finds no room is skipped and counted.
@@ -48,7 +50,9 @@ class LocalStore(Store):
 
     inline_metadata = True
 
-    def __init__(self, capacity: int | str = "1GiB", *, prefault: bool = False) -> None:
+    def __init__(
+        self, capacity: int | str = "1GiB", *, prefault: bool = False, native_copy: bool = NATIVE
+    ) -> None:
         size = parse_size(capacity, argument="capacity")
         if size < SLOT_ALIGN:
             raise ConfigError("capacity", capacity, f"must be at least {SLOT_ALIGN} bytes")
@@ -59,6 +63,7 @@ class LocalStore(Store):
         self._lock = threading.Lock()
         self._regions = np.zeros((0, 2), dtype=np.int64)  # sorted [start, end)
         self._closed = False
+        self._native_copy = native_copy
 
     @property
     def capacity(self) -> int:
@@ -86,7 +91,8 @@ class LocalStore(Store):
         with self._lock:
             self._check_open()
             handle, offsets, status = self._index.open_write(keys, nbytes)
-        return WriteSession(handle, keys, np.where(offsets >= 0, offsets + self._base, 0), status)
+        granted = status == WriteStatus.GRANTED
+        return WriteSession(handle, keys, np.where(granted, offsets + self._base, 0), status)
 
     def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
         ok = np.asarray(ok, dtype=bool)
@@ -124,7 +130,7 @@ class LocalStore(Store):
             dst, src = local_addrs, pool_addrs
         else:
             raise InvalidArgumentError("direction", direction, "expected a Direction")
-        copy_ranges(dst, src, sizes)
+        copy_ranges(dst, src, sizes, native=self._native_copy)
         return np.zeros(0, dtype=np.int64)
 
     def usage(self) -> StoreUsage:
