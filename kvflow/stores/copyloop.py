@@ -30,7 +30,7 @@ except ImportError:  # built without a compiler: the Python loop serves
 if os.environ.get("KVFLOW_NATIVE_COPY", "1") == "0":
     _native = None
 
-NATIVE = _native is not None
+NATIVE: bool = _native is not None
 _memmove = ctypes.memmove
 
 
