@@ -14,7 +14,7 @@ async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(model="m")) 
 """
 
 from kvflow.config import EngineConfig, parse_size
-from kvflow.devices import DeviceOps
+from kvflow.devices import CpuDevice, DeviceOps, device_ops
 from kvflow.errors import (
     ClosedError,
     ConfigError,
@@ -36,6 +36,7 @@ from kvflow.pipeline import (
     SyncTransferEngine,
     TransferEngine,
 )
+from kvflow.pipeline.engine import Request
 from kvflow.results import ChunkStatus, RequestResult, TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores import (
@@ -57,6 +58,7 @@ __all__ = [
     "ChunkStatus",
     "ClosedError",
     "ConfigError",
+    "CpuDevice",
     "CopyRecord",
     "DeviceOps",
     "Direction",
@@ -73,6 +75,7 @@ __all__ = [
     "LocalStore",
     "MissingDependencyError",
     "ReadSession",
+    "Request",
     "RequestResult",
     "SaveHandle",
     "Store",
@@ -90,5 +93,6 @@ __all__ = [
     "WriteStatus",
     "__version__",
     "chunk_hashes",
+    "device_ops",
     "parse_size",
 ]

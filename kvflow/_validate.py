@@ -1,4 +1,4 @@
-"""Argument checks shared by the public entry points."""
+"""Small checks and helpers shared by the public entry points."""
 
 from __future__ import annotations
 
@@ -30,3 +30,14 @@ def int_vector(value: Any, argument: str, what: str) -> np.ndarray:
     if arr.size and arr.dtype.kind == "u" and arr.max() > _INT64_MAX:
         raise InvalidArgumentError(argument, int(arr.max()), f"{what} must fit in int64")
     return arr.astype(np.int64, copy=False)
+
+
+def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ``[start, end)`` spans with overlapping or touching ones merged."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]

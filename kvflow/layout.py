@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvflow._validate import int_vector
+from kvflow._validate import int_vector, merge_spans
 from kvflow.errors import InvalidArgumentError, LayoutError
 
 if TYPE_CHECKING:
@@ -201,13 +201,7 @@ class KVLayout:
             for parts in self.layers
             for p in parts
         )
-        merged: list[list[int]] = []
-        for lo, hi in spans:
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        return [(lo, hi - lo) for lo, hi in merged]
+        return [(lo, hi - lo) for lo, hi in merge_spans(spans)]
 
     def fingerprint(self) -> str:
         """A stable digest of what makes bytes interchangeable: dtype, kind, block size, per

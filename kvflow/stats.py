@@ -16,6 +16,7 @@ class EngineStats:
     they carried; ``copy_calls`` counts the per-layer
     ``batch_copy`` calls and ``copy_ranges`` the ranges they carried. ``hit_chunks`` and
     ``miss_chunks`` count lookups; ``load_missing_chunks`` chunks gone between lookup and load.
+    ``lookup_errors`` and ``store_errors`` count lookups and batch opens the store failed.
     ``layer_wait_s[i]`` sums the time consumers spent in ``wait_layer(i)``.
     """
 
@@ -30,6 +31,7 @@ class EngineStats:
     keys_touched: int = 0
     lookups: int = 0
     lookup_errors: int = 0
+    store_errors: int = 0
     hit_chunks: int = 0
     miss_chunks: int = 0
     load_missing_chunks: int = 0

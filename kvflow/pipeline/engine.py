@@ -2,7 +2,8 @@
 
 Concurrency contract: an engine belongs to the event loop that first uses it; every coroutine
 must be awaited on that loop (use SyncTransferEngine from other threads). Store metadata calls run
-on one dedicated thread and copies on the pinned copy executor, so no call blocks the loop. Every
+on one dedicated thread (or inline, microseconds, for in-process stores: ``Store.inline_metadata``)
+and copies on the pinned copy executor, so no call blocks the loop. Every
 wait has a timeout (``op_timeout_s`` for metadata and whole-batch waits, ``copy_timeout_s`` per
 layer's copy). Call order: ``lookup`` (optional), then ``start_load``/``start_save`` (or the
 whole-request ``load``/``save``), then ``close`` once. Cancelling a coroutine that owns a handle
@@ -18,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, TypeVar
 
-import anyio
 import numpy as np
 
 from kvflow.config import EngineConfig
@@ -28,16 +28,18 @@ from kvflow.keys import KeySpace, chunk_hashes, token_array
 from kvflow.layout import KVLayout
 from kvflow.pipeline.batch import BatchPlan, plan_batch
 from kvflow.pipeline.executor import PinnedExecutor
-from kvflow.pipeline.handles import LoadHandle, SaveHandle, _Transfer
+from kvflow.pipeline.handles import LoadHandle, SaveHandle
+from kvflow.pipeline.transfer import _STRAGGLER_GRACE, BatchTransfer
 from kvflow.pipeline.waits import future_within
 from kvflow.results import ChunkStatus, TransferResult
 from kvflow.stats import EngineStats
-from kvflow.stores.base import Store, WriteStatus
+from kvflow.stores.base import ReadSession, Store, WriteSession, WriteStatus
 
 __all__ = ["Request", "TransferEngine"]
 
 log = logging.getLogger("kvflow")
 T = TypeVar("T")
+H = TypeVar("H", bound=BatchTransfer)
 Request = tuple[Any, Any]  # (token_ids, block_ids)
 
 
@@ -62,7 +64,7 @@ class TransferEngine:
         )
         self._device = device_ops(layout.device)
         self._stats = EngineStats(num_layers=layout.num_layers)
-        self._handles: set[_Transfer] = set()
+        self._handles: set[BatchTransfer] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         store.register(layout.regions())
@@ -111,6 +113,7 @@ class TransferEngine:
             try:
                 session = await self._meta(self.store.open_read, plan.keys, on_late=self._late_read)
             except KVFlowError as exc:
+                self._stats.store_errors += 1
                 log.warning("kvflow: open_read failed; the batch's chunks fail: %s", exc)
         active = np.zeros(0, dtype=np.int64)
         if session is not None:
@@ -119,7 +122,7 @@ class TransferEngine:
             active = np.flatnonzero(found)
             self._stats.load_missing_chunks += int((~found).sum())
         self._stats.loads += 1
-        return self._track(LoadHandle(self, plan, session, active, status))
+        return self._track(LoadHandle, plan, session, active, status)
 
     async def start_save(self, requests: Sequence[Request]) -> SaveHandle:
         """Start saving a batch of ``(token_ids, block_ids)``; returns at once with a handle.
@@ -138,6 +141,7 @@ class TransferEngine:
                     self.store.open_write, plan.keys, nbytes, on_late=self._late_write
                 )
             except KVFlowError as exc:
+                self._stats.store_errors += 1
                 log.warning("kvflow: open_write failed; the batch is not saved: %s", exc)
         active = np.zeros(0, dtype=np.int64)
         if session is not None:
@@ -148,7 +152,7 @@ class TransferEngine:
             self._stats.saves_skipped_exists += int((st == WriteStatus.EXISTS).sum())
             self._stats.saves_skipped_no_space += int((st == WriteStatus.NO_SPACE).sum())
         self._stats.saves += 1
-        return self._track(SaveHandle(self, plan, session, active, status))
+        return self._track(SaveHandle, plan, session, active, status)
 
     async def load(self, token_ids: Any, block_ids: Any) -> TransferResult:
         """Load one request, all layers; returns which blocks succeeded and which failed."""
@@ -171,14 +175,20 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        with anyio.CancelScope(shield=True):
-            for handle in list(self._handles):
-                await handle.aclose()
-            if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=self.config.op_timeout_s)
-            stuck = self._copier.in_flight > 0
-            self._copier.shutdown(wait=not stuck)
-            self._meta_pool.shutdown(wait=False)
+        await self._shielded(self._shutdown())
+
+    async def _shutdown(self) -> None:
+        for handle in list(self._handles):
+            await handle.aclose()
+        others = self._tasks - {asyncio.current_task()}
+        if others:  # releases waiting for straggling copies, bounded by their grace
+            grace = _STRAGGLER_GRACE * self.config.copy_timeout_s + self.config.op_timeout_s
+            await asyncio.wait(others, timeout=grace)
+        stuck = self._copier.in_flight > 0 or any(not t.done() for t in others)
+        if stuck:
+            log.error("kvflow: closing with copies still running; their threads are left")
+        self._copier.shutdown(wait=False)
+        self._meta_pool.shutdown(wait=False)
 
     async def __aenter__(self) -> TransferEngine:
         return self
@@ -205,14 +215,29 @@ class TransferEngine:
     def _plan(self, requests: Sequence[Request], *, load: bool) -> BatchPlan:
         return plan_batch(self.layout, self.keyspace, requests, self.config.chunk_blocks, load=load)
 
-    def _track(self, handle: T) -> T:
-        self._handles.add(handle)  # type: ignore[arg-type]
+    def _track(self, cls: type[H], plan: BatchPlan, session: Any, *args: Any) -> H:
+        """Build a handle; if that fails, the session it was given is released first."""
+        try:
+            handle = cls(self, plan, session, *args)
+        except BaseException:
+            if isinstance(session, ReadSession):
+                self._late_read(session)
+            elif isinstance(session, WriteSession):
+                self._late_write(session)
+            raise
+        self._handles.add(handle)
         return handle
 
-    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _shielded(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run cleanup to its end even if the caller is cancelled meanwhile (any number of
+        times): it runs as a task of its own; the caller's cancellation is re-raised."""
+        await asyncio.shield(self._background(coro))
 
     def _record_wait(self, layer: int, seconds: float) -> None:
         self._stats.layer_wait_s[layer] += seconds

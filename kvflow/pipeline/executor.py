@@ -8,9 +8,20 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["PinnedExecutor"]
+__all__ = ["PinnedExecutor", "pin_current_thread"]
 
 T = TypeVar("T")
+
+
+def pin_current_thread(cpus: tuple[int, ...]) -> bool:
+    """Pin the calling thread to ``cpus``; False when there are none or the OS refuses."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread on Linux
+    except OSError:  # pinning is an optimisation, not a requirement
+        return False
+    return True
 
 
 class PinnedExecutor:
@@ -29,11 +40,7 @@ class PinnedExecutor:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=self._pin)
 
     def _pin(self) -> None:
-        if not self.cpus or not hasattr(os, "sched_setaffinity"):
-            return
-        try:
-            os.sched_setaffinity(0, self.cpus)  # 0: the calling thread on Linux
-        except OSError:
+        if not pin_current_thread(self.cpus):
             return
         with self._lock:
             self.pinned += 1

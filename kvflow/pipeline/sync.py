@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import os
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvflow.config import EngineConfig
 from kvflow.errors import ClosedError, TransferTimeoutError
 from kvflow.layout import KVLayout
 from kvflow.pipeline.engine import Request, TransferEngine
+from kvflow.pipeline.executor import pin_current_thread
 from kvflow.pipeline.handles import LoadHandle, SaveHandle
+from kvflow.pipeline.transfer import _STRAGGLER_GRACE
 from kvflow.results import TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores.base import Store
@@ -39,24 +39,31 @@ class SyncTransferEngine:
     """
 
     def __init__(self, layout: KVLayout, store: Store, config: EngineConfig | None = None) -> None:
-        config = config or EngineConfig()
+        self.engine = TransferEngine(layout, store, config)  # first: it may refuse its inputs
+        config = self.engine.config
+        self._timeout = config.op_timeout_s
+        self._closed = False
+        self._close_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run, args=(config.copy_cpus,), name="kvflow-loop", daemon=True
         )
         self._thread.start()
-        self.engine = TransferEngine(layout, store, config)
-        self._timeout = config.op_timeout_s
-        self._closed = False
 
     def _run(self, cpus: tuple[int, ...]) -> None:
-        if cpus and hasattr(os, "sched_setaffinity"):
-            with contextlib.suppress(OSError):  # pinning is an optimisation, not a requirement
-                os.sched_setaffinity(0, cpus)
+        pin_current_thread(cpus)
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+    def _call(
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout: float | None,
+        what: str,
+        on_late: Callable[[T], Any] | None = None,
+    ) -> T:
+        """Run ``coro`` on the loop and wait at most ``timeout``. A result that arrives after
+        the timeout is handed to ``on_late`` (which closes what it opened)."""
         if self._closed:
             coro.close()
             raise ClosedError("SyncTransferEngine")
@@ -65,6 +72,8 @@ class SyncTransferEngine:
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:
+            if on_late is not None:
+                future.add_done_callback(lambda f: _hand_over(f, on_late, self._loop))
             future.cancel()
             raise TransferTimeoutError(what, limit) from None
 
@@ -88,31 +97,39 @@ class SyncTransferEngine:
     def start_load(
         self, requests: Sequence[Request], timeout: float | None = None
     ) -> SyncLoadHandle:
-        handle = self._call(self.engine.start_load(requests), timeout, "start_load")
+        handle = self._call(
+            self.engine.start_load(requests), timeout, "start_load", on_late=LoadHandle.aclose
+        )
         return SyncLoadHandle(self, handle)
 
     def start_save(
         self, requests: Sequence[Request], timeout: float | None = None
     ) -> SyncSaveHandle:
-        handle = self._call(self.engine.start_save(requests), timeout, "start_save")
+        handle = self._call(
+            self.engine.start_save(requests), timeout, "start_save", on_late=SaveHandle.aclose
+        )
         return SyncSaveHandle(self, handle)
 
     def stats(self) -> EngineStats:
         stats: EngineStats = self._call(_value(self.engine.stats), None, "stats")
         return stats
 
-    def close(self, timeout: float | None = None) -> None:
-        """Close the engine (aborting open batches) and stop the loop thread."""
-        if self._closed:
-            return
-        try:
-            self._call(self.engine.close(), timeout, "close")
-        finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=self._timeout)
-            if not self._thread.is_alive():
-                self._loop.close()
+    def close(self) -> None:
+        """Close the engine (aborting open batches) and stop the loop thread. Thread-safe;
+        waits as long as the engine's own shutdown may take (see ``TransferEngine.close``)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            cfg = self.engine.config
+            limit = _STRAGGLER_GRACE * cfg.copy_timeout_s + 2 * cfg.op_timeout_s
+            try:
+                self._call(self.engine.close(), limit, "close")
+            finally:
+                self._closed = True
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=self._timeout)
+                if not self._thread.is_alive():
+                    self._loop.close()
 
     def __enter__(self) -> SyncTransferEngine:
         return self
@@ -126,6 +143,17 @@ class SyncTransferEngine:
 
 async def _value(fn: Any) -> Any:
     return fn()
+
+
+def _hand_over(
+    future: concurrent.futures.Future[Any], on_late: Callable[[Any], Any], loop: Any
+) -> None:
+    """A call finished after its caller gave up: pass its result to ``on_late`` on the loop."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    result = on_late(future.result())
+    if asyncio.iscoroutine(result):
+        asyncio.run_coroutine_threadsafe(result, loop)
 
 
 class _SyncHandle:

@@ -9,9 +9,11 @@ timeout as ``False`` so that callers decide what it means.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["acquire_within", "event_within", "future_within"]
+__all__ = ["acquire_within", "event_within", "future_within", "get_within"]
+
+T = TypeVar("T")
 
 
 async def future_within(future: asyncio.Future[Any], timeout: float) -> bool:
@@ -45,3 +47,18 @@ async def acquire_within(semaphore: asyncio.Semaphore, timeout: float) -> bool:
         if not waiter.done():
             waiter.cancel()
     return waiter.done() and not waiter.cancelled()
+
+
+async def get_within(queue: asyncio.Queue[T], timeout: float) -> T | None:
+    """The next item of ``queue``; None after ``timeout`` s (nothing is taken then)."""
+    if not queue.empty():
+        return queue.get_nowait()
+    getter = asyncio.ensure_future(queue.get())
+    try:
+        await asyncio.wait((getter,), timeout=timeout)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    if getter.done() and not getter.cancelled():
+        return getter.result()
+    return None

@@ -20,9 +20,14 @@ import numpy as np
 from kvflow.errors import InvalidArgumentError
 from kvflow.stores.base import StoreUsage, WriteStatus
 
-__all__ = ["ArenaIndex", "SLOT_ALIGN"]
+__all__ = ["ArenaIndex", "SLOT_ALIGN", "slot_bytes"]
 
 SLOT_ALIGN = 4096
+
+
+def slot_bytes(nbytes: int) -> int:
+    """The arena space an object of ``nbytes`` occupies (rounded up to SLOT_ALIGN)."""
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 @dataclass
@@ -174,7 +179,7 @@ class ArenaIndex:
         return session
 
     def _allocate(self, nbytes: int) -> int | None:
-        slot = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        slot = slot_bytes(nbytes)
         free = self._free.get(slot)
         if free:
             return free.pop()
@@ -184,7 +189,7 @@ class ArenaIndex:
             return offset
         for key in self._lru:  # oldest first; evict one object of the same slot size
             entry = self._entries[key]
-            if -(-entry.size // SLOT_ALIGN) * SLOT_ALIGN == slot:
+            if slot_bytes(entry.size) == slot:
                 offset = entry.offset
                 self._lru.pop(key)
                 del self._entries[key]
@@ -197,5 +202,5 @@ class ArenaIndex:
         entry = self._entries.pop(key)
         self._lru.pop(key, None)
         self._used -= entry.size
-        slot = -(-entry.size // SLOT_ALIGN) * SLOT_ALIGN
+        slot = slot_bytes(entry.size)
         self._free.setdefault(slot, []).append(entry.offset)

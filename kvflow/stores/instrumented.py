@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvflow.errors import StoreError
 from kvflow.stores.base import (
     Direction,
     ReadSession,
@@ -108,7 +109,7 @@ class InstrumentedStore(Store):
 
     def usage(self) -> StoreUsage:
         if not isinstance(self.inner, SupportsUsage):
-            raise TypeError(f"{type(self.inner).__name__} does not report usage")
+            raise StoreError(f"{type(self.inner).__name__} does not report usage")
         return self.inner.usage()
 
     def close(self) -> None:

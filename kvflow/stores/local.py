@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvflow._validate import merge_spans
 from kvflow.config import parse_size
 from kvflow.errors import ClosedError, ConfigError, InvalidArgumentError
 from kvflow.stores.arena import SLOT_ALIGN, ArenaIndex
@@ -72,14 +73,9 @@ class LocalStore(Store):
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         spans = [(int(a), int(a) + int(n)) for a, n in regions]
         with self._lock:
-            merged = sorted([*map(tuple, self._regions.tolist()), *spans])
-            out: list[list[int]] = []
-            for lo, hi in merged:
-                if out and lo <= out[-1][1]:
-                    out[-1][1] = max(out[-1][1], hi)
-                else:
-                    out.append([lo, hi])
-            self._regions = np.array(out, dtype=np.int64).reshape(-1, 2)
+            known = [(int(lo), int(hi)) for lo, hi in self._regions.tolist()]
+            merged = merge_spans(known + spans)
+            self._regions = np.array(merged, dtype=np.int64).reshape(-1, 2)
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray:
         with self._lock:

@@ -80,7 +80,8 @@ async def test_eviction_never_touches_a_leased_object() -> None:
     caches = [torch.randint(0, 256, (BLOCKS, WIDTH), dtype=torch.uint8) for _ in range(LAYERS)]
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
     store = kvflow.LocalStore(4 * 4096)  # four objects
-    async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
+    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, prefetch_layers=1)
+    async with kvflow.TransferEngine(layout, store, cfg) as e:
         held = np.arange(8)  # one chunk
         assert (await e.save(held, [0, 1])).ok
         handle = await e.start_load([(held, [100, 101])])  # lease taken, not consumed yet

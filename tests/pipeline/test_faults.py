@@ -233,7 +233,8 @@ async def test_metadata_call_that_hangs_times_out(setup) -> None:
 async def test_cancelling_the_caller_releases_leases_and_slots(setup, op: str) -> None:
     caches, layout, store = setup
     gate = threading.Event()
-    async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
+    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, copy_timeout_s=0.5)
+    async with kvflow.TransferEngine(layout, store, cfg) as e:
         tokens = tokens_for(3)
         await e.save(tokens, np.arange(6))
         before = store.usage()
@@ -255,8 +256,10 @@ async def test_cancelling_the_caller_releases_leases_and_slots(setup, op: str) -
             await asyncio.sleep(0.005)
         assert copies["n"] >= 2
         task.cancel()
+        start = time.monotonic()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert time.monotonic() - start < 2.0, "cancellation waited past the copy timeout"
         assert store.usage().leases + store.usage().pending_writes > 0  # straggler holds it
         gate.set()
         usage = await settle(e, store)
