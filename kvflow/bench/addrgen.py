@@ -22,10 +22,13 @@ from kvflow.bench.common import (
     MAX_TRANSFER_BYTES,
     CopyBench,
     best_times,
+    figure,
     fmt_bytes,
+    format_axes,
     int_list,
     load_average,
     pick,
+    save,
     size_arg,
     submit_copy,
 )
@@ -34,7 +37,7 @@ from kvflow.layout import KVLayout, KVPart
 from kvflow.pipeline.addrgen import BatchAddresses, reference_layer_ranges
 from kvflow.pipeline.executor import PinnedExecutor
 
-__all__ = ["DESCRIPTION", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 
 DESCRIPTION = "vectorised address generation against the per-block Python reference"
 
@@ -90,7 +93,7 @@ def _layer_copy_s(blocks: int, block_bytes: int, coalesced: bool, repeats: int) 
     try:
         ranges = bench.ranges(coalesced)
         bench.verify(ranges)
-        copies = [submit_copy(bench.store, ranges, d, executor) for _, d in DIRECTIONS]
+        copies = [submit_copy(bench.store(), ranges, d, executor) for _, d in DIRECTIONS]
         return min(best_times(copies, repeats)) * blocks / bench.n_blocks
     finally:
         executor.shutdown(wait=True)
@@ -206,3 +209,32 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "loadavg_start": loadavg,
         "rows": rows,
     }
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Microseconds per layer against blocks per batch, vectorised and Python reference, block
+    ids in order and random (log-log), and the speedup with the 20x target."""
+    rows = result["rows"]
+    fig, (cost, speedup) = figure(1, 2, figsize=(12, 4.8))
+    sizes = sorted({r["blocks"] for r in rows})
+    for pattern, color in (("in order", "tab:blue"), ("random", "tab:orange")):
+        mine = sorted((r for r in rows if r["pattern"] == pattern), key=lambda r: r["blocks"])
+        blocks = [r["blocks"] for r in mine]
+        for key, style, what in (
+            ("vectorized_us_per_layer", "-o", "vectorized"),
+            ("python_us_per_layer", ":s", "python"),
+        ):
+            label = f"{what}, {pattern}"
+            cost.plot(blocks, [r[key] for r in mine], style, color=color, label=label)
+        speedup.plot(blocks, [r["speedup"] for r in mine], "-o", color=color, label=pattern)
+    speedup.axhline(20, color="tab:red", ls=":", lw=1.5, label="20x target (512 blocks)")
+    cost.set(ylabel="us per layer", title="per layer (vectorized: construction amortised)")
+    speedup.set(ylabel="python / vectorized", title="speedup")
+    format_axes((cost, speedup), "blocks per batch", sizes)
+    cost.legend(fontsize=8)
+    speedup.legend(fontsize=8)
+    fig.suptitle(
+        f"addrgen: {result['layers']} layers, {fmt_bytes(result['block_bytes'])} per block per "
+        f"layer, chunk_blocks={result['chunk_blocks']}, best of {result['repeats']}"
+    )
+    save(fig, path)

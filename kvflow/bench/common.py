@@ -1,4 +1,5 @@
-"""What the scenarios share: timing, argument parsing, small layouts and stores, copy set-ups.
+"""What the scenarios share: timing, argument parsing, small layouts and stores, copy set-ups,
+and the matplotlib boilerplate of the ``--plot`` option (``figure`` and ``save``).
 
 Timing is wall clock (``time.perf_counter``) everywhere: the copy scenario runs copies on
 several threads, where a thread's CPU time says nothing about throughput. Noise from other work
@@ -12,25 +13,28 @@ import gc
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvflow.config import EngineConfig, parse_size
+from kvflow.errors import MissingDependencyError
 from kvflow.layout import KVLayout
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
 from kvflow.pipeline.executor import PinnedExecutor
 from kvflow.stores.arena import SLOT_ALIGN
-from kvflow.stores.base import Direction, Store
+from kvflow.stores.base import Direction, Store, WriteSession
 from kvflow.stores.local import LocalStore
 
 __all__ = [
     "CHUNK_BLOCKS",
     "DIRECTIONS",
+    "LOOPS",
     "KiB",
     "MAX_TRANSFER_BYTES",
     "MiB",
@@ -38,12 +42,16 @@ __all__ = [
     "Memcpy",
     "best_times",
     "cpu_list",
+    "figure",
     "fmt_bytes",
+    "format_axes",
     "gc_paused",
     "int_list",
     "load_average",
+    "log_axis",
     "pick",
     "pin_cpus",
+    "save",
     "size_arg",
     "size_list",
     "small_layout",
@@ -56,6 +64,7 @@ MiB = 1 << 20
 CHUNK_BLOCKS = 16
 MAX_TRANSFER_BYTES = EngineConfig().transfer_limit
 DIRECTIONS = (("to_pool", Direction.TO_POOL), ("from_pool", Direction.FROM_POOL))
+LOOPS = ("native", "python")  # LocalStore's copy loops: native_copy=True, native_copy=False
 
 
 # -- arguments and formatting ---------------------------------------------------------------
@@ -186,14 +195,22 @@ class Memcpy:
 
 
 class CopyBench:
-    """A device tensor ``uint8 [n_blocks, block_bytes]`` and a LocalStore (prefaulted) holding
-    one granted object per chunk of ``chunk_blocks`` blocks: what ``batch_copy`` moves between.
+    """A device tensor ``uint8 [n_blocks, block_bytes]`` and, for each copy loop in ``loops``
+    (``"native"``, ``"python"``), a LocalStore (prefaulted, ``native_copy`` set to match)
+    holding one granted object per chunk of ``chunk_blocks`` blocks: what ``batch_copy`` moves
+    between. Each loop has its own pool of the same size; the device tensor is shared.
 
     Every block carries its id in its first and last 8 bytes, so ``verify`` catches a missing,
     misplaced or truncated block copy.
     """
 
-    def __init__(self, block_bytes: int, n_blocks: int, chunk_blocks: int = CHUNK_BLOCKS) -> None:
+    def __init__(
+        self,
+        block_bytes: int,
+        n_blocks: int,
+        chunk_blocks: int = CHUNK_BLOCKS,
+        loops: Sequence[str] = ("native",),
+    ) -> None:
         n_blocks = max(chunk_blocks, n_blocks - n_blocks % chunk_blocks)
         self.block_bytes = block_bytes
         self.n_blocks = n_blocks
@@ -202,13 +219,28 @@ class CopyBench:
         self.device = torch.empty((n_blocks, block_bytes), dtype=torch.uint8)
         self._stamp()
         self.layout = KVLayout.from_tensors([self.device], block_size=16)
-        n_chunks = n_blocks // chunk_blocks
-        self.store = store_for(self.layout, chunk_blocks, n_chunks, prefault=True)
-        self.store.register(self.layout.regions())
-        obj = self.layout.object_bytes(chunk_blocks)
-        self.session = self.store.open_write([f"copy/{i}" for i in range(n_chunks)], obj)
-        if not self.session.granted.all():
+        self._pools: dict[str, tuple[LocalStore, WriteSession]] = {}
+        try:
+            for loop in loops:
+                self._pools[loop] = self._pool(loop)
+        except BaseException:
+            self.close()
+            raise
+
+    def _pool(self, loop: str) -> tuple[LocalStore, WriteSession]:
+        if loop not in LOOPS:
+            raise ValueError(f"copy loop {loop!r}: expected one of {LOOPS}")
+        n_chunks = self.n_blocks // self.chunk_blocks
+        store = store_for(
+            self.layout, self.chunk_blocks, n_chunks, prefault=True, native_copy=loop == "native"
+        )
+        store.register(self.layout.regions())
+        obj = self.layout.object_bytes(self.chunk_blocks)
+        session = store.open_write([f"copy/{i}" for i in range(n_chunks)], obj)
+        if not session.granted.all():
+            store.close()
             raise RuntimeError("the copy benchmark's store did not grant every object")
+        return store, session
 
     def _stamp(self) -> None:
         blocks = self.device.numpy()
@@ -217,34 +249,43 @@ class CopyBench:
         blocks[:, :8] = ids
         blocks[:, -8:] = ids
 
-    def ranges(self, coalesced: bool, seed: int = 0) -> LayerRanges:
-        """The layer's ranges for block ids in order (coalesced per chunk) or a random
-        permutation (one range per block)."""
+    def store(self, loop: str = "native") -> LocalStore:
+        """The pool of copy loop ``loop``."""
+        return self._pools[loop][0]
+
+    def ranges(self, coalesced: bool, seed: int = 0, loop: str = "native") -> LayerRanges:
+        """The layer's ranges into ``loop``'s pool for block ids in order (coalesced per chunk)
+        or a random permutation (one range per block)."""
         ids = (
             np.arange(self.n_blocks, dtype=np.int64)
             if coalesced
             else np.random.default_rng(seed).permutation(self.n_blocks).astype(np.int64)
         )
         addrs = BatchAddresses(
-            self.layout, ids, self.session.addrs, self.chunk_blocks, MAX_TRANSFER_BYTES
+            self.layout, ids, self._pools[loop][1].addrs, self.chunk_blocks, MAX_TRANSFER_BYTES
         )
         return addrs.layer(0)
 
-    def verify(self, ranges: LayerRanges) -> None:
-        """Round-trip every block through the pool and check the stamps."""
-        self.store.batch_copy(ranges.pool, ranges.local, ranges.sizes, Direction.TO_POOL)
+    def verify(self, ranges: LayerRanges, loop: str = "native") -> None:
+        """Round-trip every block through ``loop``'s pool and check the stamps."""
+        store = self.store(loop)
+        store.batch_copy(ranges.pool, ranges.local, ranges.sizes, Direction.TO_POOL)
         self.device.zero_()
-        self.store.batch_copy(ranges.pool, ranges.local, ranges.sizes, Direction.FROM_POOL)
+        store.batch_copy(ranges.pool, ranges.local, ranges.sizes, Direction.FROM_POOL)
         blocks = self.device.numpy()
         ids = np.arange(self.n_blocks, dtype=np.int64)
         head = np.ascontiguousarray(blocks[:, :8]).view(np.int64).reshape(-1)
         tail = np.ascontiguousarray(blocks[:, -8:]).view(np.int64).reshape(-1)
         if not (np.array_equal(head, ids) and np.array_equal(tail, ids)):
-            raise RuntimeError(f"a round trip of {fmt_bytes(self.block_bytes)} blocks lost data")
+            raise RuntimeError(
+                f"a round trip of {fmt_bytes(self.block_bytes)} blocks lost data ({loop} loop)"
+            )
 
     def close(self) -> None:
-        self.store.finish_write(self.session, np.zeros(len(self.session.keys), dtype=bool))
-        self.store.close()
+        for store, session in self._pools.values():
+            store.finish_write(session, np.zeros(len(session.keys), dtype=bool))
+            store.close()
+        self._pools.clear()
 
 
 def submit_copy(
@@ -275,3 +316,81 @@ def submit_copy(
                 raise RuntimeError("batch_copy reported failed ranges")
 
     return copy
+
+
+# -- plots ----------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display), imported on first
+    use: matplotlib is an optional dependency, needed by ``--plot`` alone."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise MissingDependencyError("kvflow bench --plot", "'kvflow[plot]'") from exc
+    return plt
+
+
+def figure(nrows: int = 1, ncols: int = 1, **kwargs: Any) -> tuple[Any, Any]:
+    """``plt.subplots(nrows, ncols, **kwargs)``: a new figure and its axes, on the Agg backend;
+    ``MissingDependencyError`` without matplotlib."""
+    fig, axes = _pyplot().subplots(nrows, ncols, **kwargs)
+    return fig, axes
+
+
+def save(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (the format from the suffix; folders created) and
+    close it."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.tight_layout()
+        fig.savefig(target, dpi=dpi)
+    finally:
+        _pyplot().close(fig)
+    return target
+
+
+def log_axis(
+    ax: Any,
+    which: str,
+    ticks: Sequence[float] | None = None,
+    labels: Sequence[str] | None = None,
+    base: float = 10,
+) -> None:
+    """A log scale on the ``which`` ("x" or "y") axis of ``ax``, labelled with plain numbers
+    (``20``, not ``2 x 10^1``); with ``ticks``, exactly those ticks (labelled ``labels``,
+    default the numbers), no minor ones. Call it only while plotting (it imports matplotlib)."""
+    from matplotlib.ticker import LogFormatter
+
+    getattr(ax, f"set_{which}scale")("log", base=base)
+    axis = getattr(ax, f"{which}axis")
+    if ticks is None:
+        axis.set_major_formatter(LogFormatter(base))
+        axis.set_minor_formatter(LogFormatter(base, labelOnlyBase=False))
+        return
+    axis.set_ticks(list(ticks), list(labels) if labels else [f"{t:g}" for t in ticks])
+    axis.set_ticks([], minor=True)
+
+
+def format_axes(
+    axes: Iterable[Any],
+    xlabel: str | None,
+    xticks: Sequence[float],
+    xlabels: Sequence[str] | None = None,
+    *,
+    base: float = 10,
+    ylog: bool = True,
+) -> None:
+    """The scenarios' panels: a log x axis with a tick at each of ``xticks`` (see
+    ``log_axis``), a log y axis unless ``ylog`` is false, ``xlabel`` and a light grid."""
+    for ax in axes:
+        log_axis(ax, "x", xticks, xlabels, base=base)
+        if ylog:
+            log_axis(ax, "y")
+        if xlabel:
+            ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3, which="both")

@@ -5,19 +5,17 @@ range; or a random permutation, one range per block) and each direction, one rou
 turn: the memcpy reference (one ``numpy.copyto`` of the same total bytes between two other
 buffers), then ``batch_copy`` in every variant: the native loop on 1 and 2 copy threads of a
 kvflow ``PinnedExecutor``, unpinned and pinned (``copy_cpus``), and the Python fallback loop
-(what an install without a C compiler runs). Each figure is the best of N rounds; each ratio is
-to the memcpy of the same rounds.
+(what an install without a C compiler runs: a ``LocalStore(..., native_copy=False)`` with its
+own pool of the same size). Each figure is the best of N rounds; each ratio is to the memcpy of
+the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 from kvflow.bench.common import (
     CHUNK_BLOCKS,
@@ -28,11 +26,14 @@ from kvflow.bench.common import (
     MiB,
     best_times,
     cpu_list,
+    figure,
     fmt_bytes,
+    format_axes,
     int_list,
     load_average,
     pick,
     pin_cpus,
+    save,
     size_arg,
     size_list,
     submit_copy,
@@ -40,11 +41,10 @@ from kvflow.bench.common import (
 from kvflow.bench.report import Report
 from kvflow.pipeline.addrgen import LayerRanges
 from kvflow.pipeline.executor import PinnedExecutor
-from kvflow.stores import local as local_module
 from kvflow.stores.base import Direction
-from kvflow.stores.copyloop import NATIVE, STREAM_MIN_BYTES, copy_ranges
+from kvflow.stores.copyloop import NATIVE, STREAM_MIN_BYTES
 
-__all__ = ["DESCRIPTION", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 
 DESCRIPTION = "LocalStore.batch_copy throughput against memcpy (numpy.copyto) of the same bytes"
 BLOCKS = (4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 * MiB)
@@ -79,30 +79,11 @@ class Variant:
         return f"{self.loop} {self.threads}t{' pin' if self.pinned else ''}"
 
 
-@contextmanager
-def python_loop() -> Iterator[None]:
-    """LocalStore.batch_copy through the Python memmove loop, as without the native module."""
-    fallback = functools.partial(copy_ranges, native=False)
-    with mock.patch.object(local_module, "copy_ranges", fallback):
-        yield
-
-
 def _variants(threads: list[int], python: bool) -> list[Variant]:
     out = [Variant("native", n, p) for n in threads for p in (False, True)] if NATIVE else []
     if python or not NATIVE:
         out += [Variant("python", n, False) for n in threads]
     return out
-
-
-def _timed(variant: Variant, copy: Callable[[], None]) -> Callable[[], None]:
-    if variant.loop == "native":
-        return copy
-
-    def fallback() -> None:
-        with python_loop():
-            copy()
-
-    return fallback
 
 
 @dataclass
@@ -115,27 +96,31 @@ class _Run:
     memcpy: Memcpy
 
     def gbps(
-        self, bench: CopyBench, ranges: LayerRanges, direction: Direction
+        self, bench: CopyBench, ranges: dict[str, LayerRanges], direction: Direction
     ) -> tuple[float, list[float]]:
-        """GB/s of the memcpy reference and of every variant, timed in turn, best of N."""
+        """GB/s of the memcpy reference and of every variant, timed in turn, best of N; each
+        variant copies through the pool of its loop, with that pool's ``ranges``."""
         fns = [self.memcpy.of(bench.nbytes)]
         for v in self.variants:
-            copy = submit_copy(bench.store, ranges, direction, self.executors[v.threads, v.pinned])
-            fns.append(_timed(v, copy))
+            executor = self.executors[v.threads, v.pinned]
+            fns.append(submit_copy(bench.store(v.loop), ranges[v.loop], direction, executor))
         ref, *times = best_times(fns, self.repeats)
         return bench.nbytes / ref / 1e9, [bench.nbytes / t / 1e9 for t in times]
 
     def block(self, block: int) -> Iterator[tuple[float, list[Any], list[dict[str, Any]]]]:
         """Per block-id order and direction: the memcpy GB/s, a table row, the JSON rows."""
-        bench = CopyBench(block, self.total // block)
+        loops = list(dict.fromkeys(v.loop for v in self.variants))
+        bench = CopyBench(block, self.total // block, loops=loops)
         try:
             for coalesced in (True, False):
-                ranges = bench.ranges(coalesced)
-                bench.verify(ranges)
+                ranges = {loop: bench.ranges(coalesced, loop=loop) for loop in loops}
+                for loop, loop_ranges in ranges.items():
+                    bench.verify(loop_ranges, loop)
+                n_ranges = len(ranges[loops[0]])
                 for dname, direction in DIRECTIONS:
                     ref, rates = self.gbps(bench, ranges, direction)
                     order = "in order" if coalesced else "random"
-                    cells = [fmt_bytes(block), order, dname, len(ranges), f"{ref:.2f}"]
+                    cells = [fmt_bytes(block), order, dname, n_ranges, f"{ref:.2f}"]
                     rows = []
                     for v, gbps in zip(self.variants, rates, strict=True):
                         cells.append(f"{gbps:.2f} {gbps / ref:4.0%}")
@@ -150,7 +135,7 @@ class _Run:
                                 "direction": dname,
                                 "loop": v.loop,
                                 "cpus": list(self.pins[v.threads]) if v.pinned else None,
-                                "ranges": len(ranges),
+                                "ranges": n_ranges,
                                 "bytes": bench.nbytes,
                                 "memcpy_gbps": round(ref, 3),
                             }
@@ -219,3 +204,49 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "loadavg_start": loadavg,
         "rows": rows,
     }
+
+
+def _label(row: dict[str, Any]) -> str:
+    return Variant(row["loop"], row["threads"], row["pinned"]).label
+
+
+def _slower(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """Block sizes and, at each, the lowest ``key`` of ``rows`` (the slower direction)."""
+    out: dict[int, float] = {}
+    for r in rows:
+        out[r["block_bytes"]] = min(out.get(r["block_bytes"], float("inf")), r[key])
+    return sorted(out), [out[b] for b in sorted(out)]
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """GB/s against block size per variant with memcpy as the reference line (top), and the
+    share of memcpy with the 85 % target (bottom); block ids in order (left) and random
+    (right). Each point is the slower of the two directions."""
+    rows = result["rows"]
+    blocks = sorted({r["block_bytes"] for r in rows})
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    fig, axes = figure(2, 2, figsize=(12, 7.5), sharex=True, sharey="row", squeeze=False)
+    for col, coalesced in enumerate((True, False)):
+        top, bottom = axes[0][col], axes[1][col]
+        mine = [r for r in rows if r["coalesced"] == coalesced]
+        top.plot(*_slower(mine, "memcpy_gbps"), "k--", lw=2, label="memcpy")
+        for label in labels:
+            variant = [r for r in mine if _label(r) == label]
+            style = "-o" if label.startswith("native") else ":s"
+            (line,) = top.plot(*_slower(variant, "gbps"), style, label=label)
+            bottom.plot(*_slower(variant, "ratio_to_memcpy"), style, color=line.get_color())
+        bottom.axhline(1.0, color="k", ls="--", lw=1)
+        bottom.axhline(0.85, color="tab:red", ls=":", lw=1.5, label="85 % target")
+        top.set_title(f"block ids {'in order (coalesced)' if coalesced else 'random'}")
+        ticks = [fmt_bytes(b) for b in blocks]
+        format_axes((top, bottom), None, blocks, ticks, base=2, ylog=False)
+        bottom.set_xlabel("block size")
+    axes[0][0].set_ylabel("GB/s (slower direction)")
+    axes[1][0].set_ylabel("share of memcpy")
+    axes[0][0].legend(fontsize=8)
+    axes[1][0].legend(fontsize=8)
+    fig.suptitle(
+        f"LocalStore.batch_copy vs memcpy (numpy.copyto): {fmt_bytes(result['bytes'])} per "
+        f"copy, best of {result['repeats']}"
+    )
+    save(fig, path)

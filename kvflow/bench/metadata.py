@@ -25,9 +25,12 @@ import torch
 
 from kvflow.bench.common import (
     CHUNK_BLOCKS,
+    figure,
+    format_axes,
     int_list,
     load_average,
     pick,
+    save,
     small_layout,
     store_for,
 )
@@ -40,7 +43,7 @@ from kvflow.results import ChunkStatus
 from kvflow.stores.base import Direction
 from kvflow.stores.instrumented import METADATA_CALLS, InstrumentedStore
 
-__all__ = ["DESCRIPTION", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 
 DESCRIPTION = "store metadata calls and keys per request: kvflow vs a per-(layer, block) scheme"
 BLOCK_BYTES = 64  # bytes per block per layer: tiny, the scenario counts calls
@@ -244,3 +247,44 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "loadavg_start": loadavg,
         "rows": rows,
     }
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Store metadata calls per request (left) and keys per request (right) against the layer
+    count, kvflow and per-(layer, block), one line per prompt length (log scales)."""
+    rows = result["rows"]
+    layers = sorted({r["layers"] for r in rows})
+    tokens = sorted({r["tokens"] for r in rows})
+    markers = "osD^v<>"
+    fig, (calls, keys) = figure(1, 2, figsize=(12, 4.8))
+    for scheme, prefix, color in (
+        ("kvflow", "kvflow", "tab:blue"),
+        ("per-(layer, block)", "per_layer", "tab:red"),
+    ):
+        for i, n in enumerate(tokens):
+            mine = sorted((r for r in rows if r["tokens"] == n), key=lambda r: r["layers"])
+            x = [r["layers"] for r in mine]
+            style = {"color": color, "marker": markers[i % len(markers)], "alpha": 0.85}
+            label = f"{scheme}, {n} tokens"
+            n_calls = [r[f"{prefix}_calls_per_request"] for r in mine]
+            calls.plot(x, n_calls, **style, label=label)
+            if i == 0:  # the count at the most layers, written beside the line
+                calls.annotate(
+                    f"{n_calls[-1]}",
+                    (x[-1], n_calls[-1]),
+                    xytext=(6, 0),
+                    va="center",
+                    textcoords="offset points",
+                    color=color,
+                )
+            keys.plot(x, [r[f"{prefix}_keys_per_request"] for r in mine], **style, label=label)
+    calls.margins(x=0.1)  # room for the counts written at the right
+    calls.set(ylabel="store metadata calls per request", title="calls (save + lookup + load)")
+    keys.set(ylabel="keys (objects) per request", title="keys the save creates")
+    format_axes((calls, keys), "layers", layers)
+    keys.legend(fontsize=8)
+    fig.suptitle(
+        f"metadata per request, counted at the store: chunk_blocks={result['chunk_blocks']}, "
+        f"{result['block_size']} tokens per block"
+    )
+    save(fig, path)

@@ -12,6 +12,13 @@ is a batch of R requests, each a few chunks:
 All requests of a step share one plan, one range template and one ``batch_copy`` per layer, so
 the per-layer cost of a step should grow far slower than R. Steps for every R and both
 operations are interleaved, round after round; each figure is the fastest step.
+
+The property checked (the issue: the engine's orchestration cost per layer per step must not
+grow per request per layer): per (api, op), a least-squares line of ``us_per_layer_step``
+against R; its slope is what one more request adds per layer. The cost is flat per request
+when that slope is under ``FLAT_SHARE`` (5 %) of the per-layer cost of a step of the fewest
+requests (1 by default): a batch then scales at under 5 % of linear, where orchestrating each
+request on its own per layer would scale at about 100 %.
 """
 
 from __future__ import annotations
@@ -21,15 +28,19 @@ import asyncio
 import inspect
 import itertools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvflow.bench.common import (
+    figure,
+    format_axes,
     gc_paused,
     int_list,
     load_average,
     pick,
+    save,
     small_layout,
     store_for,
 )
@@ -40,11 +51,13 @@ from kvflow.pipeline.sync import SyncTransferEngine
 from kvflow.results import ChunkStatus
 from kvflow.stores.instrumented import InstrumentedStore
 
-__all__ = ["DESCRIPTION", "NullCopyStore", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "FLAT_SHARE", "NullCopyStore", "add_arguments", "plot", "run"]
 
 DESCRIPTION = "engine cost per layer per step with zero-byte copies, 1 to 256 requests a step"
 CHUNK_BLOCKS = 4  # EngineConfig's default
 BLOCK_BYTES = 64  # per block per layer; no byte is copied anyway
+# flat per request: one more request adds under this share of a one-request step's cost per layer
+FLAT_SHARE = 0.05
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +156,52 @@ async def _measure(args: argparse.Namespace, steps: int) -> Best:
     return best
 
 
+def _slope(x: Sequence[float], y: Sequence[float]) -> float:
+    """The least-squares slope of ``y`` against ``x``."""
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    dx = xs - xs.mean()
+    return float(dx @ (ys - ys.mean()) / (dx @ dx))
+
+
+def growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (api, op): what one more request adds to the cost per layer of a step (the slope of
+    a least-squares line over the request counts), its share of the cost per layer of a step of
+    the fewest requests, and whether that share is under ``FLAT_SHARE``. With one request
+    count there is no slope: the figures are None."""
+    out = []
+    for api, op in dict.fromkeys((r["api"], r["op"]) for r in rows):
+        mine = sorted((r for r in rows if (r["api"], r["op"]) == (api, op)), key=_requests)
+        requests = [r["requests"] for r in mine]
+        base = mine[0]["us_per_layer_step"]
+        slope = loop_slope = share = None
+        if len(set(requests)) > 1:
+            slope = _slope(requests, [r["us_per_layer_step"] for r in mine])
+            loop_slope = _slope(requests, [r["layer_loop_us_per_layer"] for r in mine])
+            share = round(slope / base, 5)
+        out.append(
+            {
+                "api": api,
+                "op": op,
+                "growth_per_request_us_per_layer": _rounded(slope, 4),
+                # the same for the layer loop alone, without the per-step work of start + wait
+                "layer_loop_growth_per_request_us": _rounded(loop_slope, 4),
+                "fewest_requests": requests[0],
+                "us_per_layer_step_fewest": base,
+                "growth_share": share,
+                "flat": None if share is None else share < FLAT_SHARE,
+            }
+        )
+    return out
+
+
+def _requests(row: dict[str, Any]) -> int:
+    return int(row["requests"])
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     steps = pick(args.steps, args.quick, 30, 10)
     loadavg = load_average()
@@ -194,6 +253,28 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             for x in rows
         ],
     )
+    grown = growth(rows)
+    flats = [g["flat"] for g in grown]
+    flat = None if None in flats else all(flats)
+    slopes = [g["growth_per_request_us_per_layer"] for g in grown]
+    report.line(
+        "growth per extra request, per layer (least-squares slope of us/layer/step over the "
+        "requests; share of the step of the fewest requests): "
+        + (
+            "; ".join(
+                f"{g['api']} {g['op']} {g['growth_per_request_us_per_layer']:+.3f} us "
+                f"({g['growth_share']:.2%} of {g['us_per_layer_step_fewest']:.1f} us)"
+                for g in grown
+            )
+            if flat is not None
+            else "needs two request counts or more"
+        )
+    )
+    report.line(
+        f"per request per layer flat (each extra request adds < {FLAT_SHARE:.0%} of a "
+        f"one-request step per layer, every api and op): "
+        + {True: "yes", False: "NO", None: "not measured"}[flat]
+    )
     return {
         "scenario": "overhead",
         "layers": layers,
@@ -202,5 +283,41 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "steps": steps,
         "timer": "perf_counter (wall clock); CPU = process_time, every thread",
         "loadavg_start": loadavg,
+        "growth_per_request_us_per_layer": None if flat is None else max(slopes),
+        "per_request_per_layer_flat": flat,
+        "flat_share": FLAT_SHARE,
+        "growth": grown,
         "rows": rows,
     }
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Microseconds per layer per step (left) and per layer per request (right, log-log)
+    against the requests of a step, load and save, async and sync."""
+    rows = result["rows"]
+    requests = sorted({r["requests"] for r in rows})
+    shares = {(g["api"], g["op"]): g["growth_share"] for g in result.get("growth", [])}
+    fig, (step, each) = figure(1, 2, figsize=(12, 4.8))
+    colors = {"load": "tab:blue", "save": "tab:orange"}
+    for api, op in dict.fromkeys((r["api"], r["op"]) for r in rows):
+        mine = sorted((r for r in rows if (r["api"], r["op"]) == (api, op)), key=_requests)
+        x = [r["requests"] for r in mine]
+        share = shares.get((api, op))
+        label = f"{api} {op}" + ("" if share is None else f" ({share:+.2%} per request)")
+        style = {"color": colors.get(op), "ls": "-" if api == "async" else "--", "marker": "o"}
+        step.plot(x, [r["us_per_layer_step"] for r in mine], **style, label=label)
+        each.plot(x, [r["us_per_layer_request"] for r in mine], **style, label=f"{api} {op}")
+    step.set(ylabel="us per layer per step", title="per layer per step (flat: batched)")
+    each.set(ylabel="us per layer per request", title="per layer per request")
+    format_axes((step,), "requests per step", requests, ylog=False)
+    format_axes((each,), "requests per step", requests)
+    step.set_ylim(bottom=0)
+    step.legend(fontsize=8)
+    each.legend(fontsize=8)
+    flat = result.get("per_request_per_layer_flat")
+    fig.suptitle(
+        f"overhead with zero-byte copies: {result['layers']} layers, "
+        f"{result['chunks_per_request']} chunks per request, fastest of {result['steps']} steps"
+        + ("" if flat is None else f"; flat per request: {'yes' if flat else 'NO'}")
+    )
+    save(fig, path)

@@ -1,21 +1,32 @@
 """Each ``kvflow bench`` scenario, run tiny through the CLI: the JSON keeps its fixed keys and
-its values are sane."""
+its values are sane, and ``--plot`` draws a PNG. Then ``benchmarks/bench_core.py``'s exit
+code and copy target, on scenario results made up here."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import pytest
+
+from kvflow.bench.overhead import FLAT_SHARE, growth
 from kvflow.cli import main
 from kvflow.stores.copyloop import NATIVE
 
 
 def bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
     path = tmp_path / f"{argv[0]}.json"
-    assert main(["bench", *argv, "--json", str(path)]) == 0
+    png = tmp_path / "x.png"
+    assert main(["bench", *argv, "--json", str(path), "--plot", str(png)]) == 0
     result: dict[str, Any] = json.loads(path.read_text())
     assert result["machine"]["cpus"] >= 1
+    assert png.is_file() and png.stat().st_size > 5 * 1024
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return result
 
 
@@ -69,3 +80,103 @@ def test_overhead(tmp_path: Path) -> None:
     for r in rows:
         assert r["us_per_layer_step"] > 0
         assert abs(r["us_per_layer_request"] * r["requests"] - r["us_per_layer_step"]) < 0.1
+    # the flatness property: a bool and finite figures (a run this small is too noisy to
+    # assert its value)
+    assert isinstance(result["per_request_per_layer_flat"], bool)
+    assert math.isfinite(result["growth_per_request_us_per_layer"])
+    assert 0 < result["flat_share"] < 1
+    assert {(g["api"], g["op"]) for g in result["growth"]} == {
+        (api, op) for api in ("async", "sync") for op in ("load", "save")
+    }
+    for g in result["growth"]:
+        assert isinstance(g["flat"], bool) and g["fewest_requests"] == 1
+        for key in ("growth_per_request_us_per_layer", "layer_loop_growth_per_request_us"):
+            assert math.isfinite(g[key])
+        assert g["flat"] == (g["growth_share"] < result["flat_share"])
+    flats = [g["flat"] for g in result["growth"]]
+    assert result["per_request_per_layer_flat"] == all(flats)
+
+
+def test_overhead_growth_fit() -> None:
+    def rows(costs: dict[int, float]) -> list[dict[str, Any]]:
+        return [
+            {
+                "api": "async",
+                "op": "load",
+                "requests": r,
+                "us_per_layer_step": c,
+                "layer_loop_us_per_layer": c / 2,
+            }
+            for r, c in costs.items()
+        ]
+
+    batched = growth(rows({1: 100.0, 16: 103.0, 256: 151.0}))[0]  # + 0.2 us a request
+    assert batched["growth_per_request_us_per_layer"] == pytest.approx(0.2)
+    assert batched["layer_loop_growth_per_request_us"] == pytest.approx(0.1)
+    assert batched["growth_share"] == pytest.approx(0.002) and batched["flat"]
+    per_request = growth(rows({1: 100.0, 4: 400.0, 16: 1600.0}))[0]  # linear in requests
+    assert per_request["growth_share"] == pytest.approx(1.0) and not per_request["flat"]
+    assert growth(rows({1: 100.0, 2: 100 + 100 * FLAT_SHARE}))[0]["flat"] is False
+    single = growth(rows({4: 100.0}))[0]
+    assert single["flat"] is None and single["growth_per_request_us_per_layer"] is None
+
+
+def _bench_core() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_core.py"
+    spec = importlib.util.spec_from_file_location("bench_core", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _copy_row(block: int, ratio: float) -> dict[str, Any]:
+    return {
+        "block_bytes": block,
+        "coalesced": True,
+        "threads": 1,
+        "loop": "native",
+        "ratio_to_memcpy": ratio,
+    }
+
+
+@pytest.mark.parametrize(
+    ("copy_rows", "exit_codes", "argv", "expected"),
+    [
+        # every block size >= 64 KiB at 85 % or more: PASS
+        ([(4 << 10, 0.9), (64 << 10, 0.9), (128 << 10, 0.95), (1 << 20, 0.9)], {}, [], 0),
+        # 64 KiB below 85 % while 128 KiB passes: FAIL (exit 1 with --strict)
+        ([(4 << 10, 0.9), (64 << 10, 0.8), (128 << 10, 0.95)], {}, ["--strict"], 1),
+        ([(4 << 10, 0.9), (64 << 10, 0.8), (128 << 10, 0.95)], {}, [], 0),
+        # a scenario's own exit code comes through, --strict or not
+        ([(4 << 10, 0.9), (64 << 10, 0.9)], {"addrgen": 3}, [], 3),
+    ],
+)
+def test_bench_core(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    copy_rows: list[tuple[int, float]],
+    exit_codes: dict[str, int],
+    argv: list[str],
+    expected: int,
+) -> None:
+    core = _bench_core()
+    results: dict[str, dict[str, Any]] = {
+        "copy": {"rows": [_copy_row(b, r) for b, r in copy_rows]},
+        "addrgen": {"rows": [{"blocks": 512, "speedup": 30.0, "share_of_copy_time": 0.01}]},
+        "metadata": {"rows": [{"kvflow_calls_per_request": 5, "layer_factor": 8.0, "layers": 8}]},
+    }
+
+    def fake_kvflow(args: list[str]) -> int:
+        name, path = args[1], Path(args[args.index("--json") + 1])
+        path.write_text(json.dumps(results[name]))
+        return exit_codes.get(name, 0)
+
+    monkeypatch.setattr(core, "OUT", tmp_path)
+    monkeypatch.setattr(core, "kvflow", fake_kvflow)
+    monkeypatch.setattr(sys, "argv", ["bench_core.py", *argv])
+    assert core.main() == expected
+    out = capsys.readouterr().out
+    large = [r for b, r in copy_rows if b >= 64 << 10]
+    assert ("PASS  batch_copy at every block size >= 64 KiB" in out) == (min(large) >= 0.85)
