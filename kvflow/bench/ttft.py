@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvflow.bench.common import figure, save
 from kvflow.bench.model import ModelShape, PagedModel
 from kvflow.bench.report import Report
 from kvflow.config import EngineConfig
@@ -374,16 +375,7 @@ def _print(r: dict[str, Any], report: Report) -> None:
 
 def plot(result: dict[str, Any], path: str) -> None:
     """Per-layer timelines (compute vs transfer) for both load modes, and the TTFT bars."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        from kvflow.errors import MissingDependencyError
-
-        raise MissingDependencyError("kvflow bench --plot", "'kvflow[plot]'") from exc
-    fig, axes = plt.subplots(3, 1, figsize=(11, 8), gridspec_kw={"height_ratios": [1, 1, 1.2]})
+    fig, axes = figure(3, 1, figsize=(11, 8), gridspec_kw={"height_ratios": [1, 1, 1.2]})
     for ax, mode in zip(axes[:2], ("layerwise", "non_layerwise"), strict=True):
         lines = result["timeline"][mode]
         for row, (key, color) in enumerate((("transfer", "tab:orange"), ("compute", "tab:blue"))):
@@ -402,6 +394,4 @@ def plot(result: dict[str, Any], path: str) -> None:
     axes[2].set_yscale("log")
     for i, v in enumerate(ttft.values()):
         axes[2].text(i, v * 1e3, f"{v * 1e3:.1f}", ha="center", va="bottom")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
