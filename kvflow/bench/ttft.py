@@ -40,7 +40,7 @@ DESCRIPTION = "TTFT on a prefix hit: HBM hit vs layerwise vs non-layerwise load 
 MODES = ("hbm_hit", "layerwise", "non_layerwise", "recompute")
 # --quick: few new tokens on a long cached prefix (the next turn of a long conversation), the
 # case where the load weighs most against the compute on a CPU.
-QUICK = {"tokens": 2048, "new_tokens": 4, "repeats": 5}
+QUICK = {"tokens": 2048, "new_tokens": 4, "repeats": 15}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
