@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from kvflow.bench import SCENARIOS
 from kvflow.bench.report import Report, machine_info, write_json
+from kvflow.errors import KVFlowError
 
 __all__ = ["main"]
 
@@ -42,7 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvflow bench {args.scenario}: {args.error}", file=sys.stderr)
         return 2
     report = Report()
-    result = args.module.run(args, report)
+    try:
+        result = args.module.run(args, report)
+    except KVFlowError as exc:  # a bad option or a failed run: say what, no traceback
+        print(f"kvflow bench {args.scenario}: {exc}", file=sys.stderr)
+        return 1
     result.setdefault("machine", machine_info())
     if args.json:
         report.note(f"JSON: {write_json(args.json, result)}")

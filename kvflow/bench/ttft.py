@@ -29,6 +29,7 @@ from kvflow.bench.common import figure, save
 from kvflow.bench.model import ModelShape, PagedModel
 from kvflow.bench.report import Report
 from kvflow.config import EngineConfig
+from kvflow.errors import ConfigError, KVFlowError
 from kvflow.pipeline.sync import SyncTransferEngine
 from kvflow.stores.base import Direction
 from kvflow.stores.instrumented import InstrumentedStore
@@ -97,7 +98,8 @@ class _Bench:
             total = args.tokens
             prefix = int(args.tokens * args.hit_rate) // chunk_tokens * chunk_tokens
         if prefix == 0 or prefix >= total:
-            raise SystemExit(f"no cacheable prefix: {total} tokens, {prefix} in whole chunks")
+            reason = f"no cacheable prefix: {prefix} tokens in whole chunks"
+            raise ConfigError("tokens", total, reason)
         self.shape, self.total, self.prefix = shape, total, prefix
         n_all, n_pre = -(-total // bs), prefix // bs
         self.model = PagedModel(shape, 2 * n_all, seed=args.seed)
@@ -175,7 +177,7 @@ class _Bench:
             out = self.forward(self.load_first, self.new_pos, spans=spans)
         ttft = time.perf_counter() - t0
         if hit != self.prefix or not result.ok:
-            raise SystemExit(f"the load failed: hit {hit} of {self.prefix} tokens, {result}")
+            raise KVFlowError(f"the load failed: hit {hit} of {self.prefix} tokens, {result}")
         copies = [c for c in self.store.copies if c.direction == Direction.FROM_POOL]
         return {
             "ttft": ttft,
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         )
         saver.close()
         if not saved.ok:
-            raise SystemExit(f"saving the prefix failed: {saved}")
+            raise KVFlowError(f"saving the prefix failed: {saved}")
         engines = {
             v: bench.engine(
                 v[1], (copy_cpu,) if v[0] and copy_cpu is not None else (), args.chunk_blocks
