@@ -57,6 +57,7 @@ class ArenaIndex:
         self._sessions: dict[int, _Session] = {}
         self._next_handle = 1
         self._used = 0
+        self._objects = 0  # committed entries (usage() must not walk the index under the lock)
         self._leases = 0
         self.hits = self.misses = self.evictions = self.no_space = 0
 
@@ -76,7 +77,7 @@ class ArenaIndex:
         return found
 
     def usage(self) -> StoreUsage:
-        committed = sum(1 for e in self._entries.values() if e.committed)
+        committed = self._objects
         return StoreUsage(
             capacity=self.capacity,
             used=self._used,
@@ -125,6 +126,7 @@ class ArenaIndex:
             entry = self._entries[key]
             if pos < len(ok) and ok[pos]:
                 entry.committed = True
+                self._objects += 1
                 self._lru[key] = None
             else:
                 self._drop(key)
@@ -194,6 +196,7 @@ class ArenaIndex:
                 self._lru.pop(key)
                 del self._entries[key]
                 self._used -= entry.size
+                self._objects -= 1
                 self.evictions += 1
                 return offset
         return None
