@@ -45,7 +45,7 @@ async def test_load_waits_follow_copies_and_window_holds(prefetch: int) -> None:
                 copies_started.append(k)
                 # layer k may start only once the consumer passed layer k - prefetch
                 leads.append(k - handle_box[0].consumed)
-                time.sleep(0.002)
+                time.sleep(0.0005)
 
         store.before_copy = before_copy
         handle = await engine.start_load([(tokens, np.arange(20, 28))])
@@ -54,7 +54,7 @@ async def test_load_waits_follow_copies_and_window_holds(prefetch: int) -> None:
             await handle.wait_layer(layer)
             done = [c for c in store.copies if c.direction == Direction.FROM_POOL]
             assert len(done) >= layer + 1, "wait_layer returned before its copy finished"
-            await asyncio.sleep(0.003)  # the consumer computes this layer
+            await asyncio.sleep(0.01)  # the consumer computes this layer, slower than a copy
         result = await handle.wait()
         assert result.ok
         assert max(leads) < prefetch, leads
