@@ -11,6 +11,7 @@ still be written until ``done()``; do not hand them to another request before th
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,54 @@ class LoadHandle(BatchTransfer):
             await self._engine._meta(self._engine.store.close_read, self._session, fail_ok=True)
 
 
+class _Backlog:
+    """Slots for layers written but not yet copied: taken from any thread (blocking or async),
+    given back on the loop by the completer."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._cond = threading.Condition()
+        self._freed = asyncio.Event()
+
+    @property
+    def free(self) -> int:
+        return self._free
+
+    def try_take(self) -> bool:
+        with self._cond:
+            if self._free > 0:
+                self._free -= 1
+                return True
+            return False
+
+    def take_blocking(self, timeout: float) -> bool:
+        """From a producer thread: wait (at most ``timeout``) for a slot."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free > 0, timeout):
+                return False
+            self._free -= 1
+            return True
+
+    async def take(self, timeout: float) -> bool:
+        """On the loop: wait (at most ``timeout``) for a slot."""
+        deadline = time.monotonic() + timeout
+        while not self.try_take():
+            self._freed.clear()
+            if self.try_take():  # given back between the check and the clear
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or not await event_within(self._freed, left):
+                return False
+        return True
+
+    def give(self, n: int = 1) -> None:
+        """On the loop: a layer was copied (or the batch ended: wake everyone)."""
+        with self._cond:
+            self._free += n
+            self._cond.notify_all()
+        self._freed.set()
+
+
 class SaveHandle(BatchTransfer):
     """A batch being saved layer by layer. Call ``layer_written(i)`` when layer i is in device
     memory; at most ``save_backlog`` layers wait to be copied before the call itself waits."""
@@ -113,7 +162,8 @@ class SaveHandle(BatchTransfer):
         self._written: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._seen: set[int] = set()
         self._copied = 0
-        self._backlog = asyncio.Semaphore(engine.config.save_backlog)
+        self._backlog = _Backlog(engine.config.save_backlog)
+        self._claims = threading.Lock()  # _seen is claimed from producer threads too
         super().__init__(engine, *args)
 
     def _window(self) -> int:
@@ -128,12 +178,21 @@ class SaveHandle(BatchTransfer):
 
     def _layer_finished(self, layer: int) -> None:
         self._copied += 1
-        self._backlog.release()
+        self._backlog.give()
+
+    def _abort(self) -> None:
+        super()._abort()
+        self._backlog.give(self.num_layers)  # producers waiting for a slot wake and see closed
 
     @property
     def backlog(self) -> int:
         """Layers written but not yet copied (never more than ``save_backlog``)."""
-        return len(self._seen) - self._copied
+        return max(0, self._engine.config.save_backlog - self._backlog.free)
+
+    @property
+    def copied(self) -> int:
+        """Layers whose copy has finished."""
+        return self._copied
 
     async def layer_written(self, layer: int, timeout: float | None = None) -> None:
         """Layer ``layer`` of every block in the batch is written: copy it to the pool. Waits
@@ -141,17 +200,34 @@ class SaveHandle(BatchTransfer):
         await self._layer_written(layer, self._engine._device.layer_written(layer), timeout)
 
     async def _layer_written(self, layer: int, token: Any, timeout: float | None) -> None:
-        layer = self._engine.layout.check_layer(layer)
+        layer, limit = self._claim(layer, timeout)
+        if not await self._backlog.take(limit):
+            self._unclaim(layer, limit)
         if self._closed:
             raise ClosedError("SaveHandle")
-        if layer in self._seen:
-            raise InvalidArgumentError("layer", layer, "this layer was already written")
-        self._seen.add(layer)  # before waiting: a second call for it is refused, not queued
-        timeout = self._engine.config.op_timeout_s if timeout is None else timeout
-        if not await acquire_within(self._backlog, timeout):
+        self._queue_layer(layer, token)
+
+    def _claim(self, layer: int, timeout: float | None) -> tuple[int, float]:
+        """Check and claim ``layer`` before waiting, so a second call for it is refused."""
+        layer = self._engine.layout.check_layer(layer)
+        with self._claims:
+            if self._closed:
+                raise ClosedError("SaveHandle")
+            if layer in self._seen:
+                raise InvalidArgumentError("layer", layer, "this layer was already written")
+            self._seen.add(layer)
+        return layer, self._engine.config.op_timeout_s if timeout is None else timeout
+
+    def _unclaim(self, layer: int, timeout: float) -> None:
+        with self._claims:
             self._seen.discard(layer)
-            raise TransferTimeoutError(f"save backlog slot for layer {layer}", timeout)
-        self._written.put_nowait((layer, token))
+        raise TransferTimeoutError(f"save backlog slot for layer {layer}", timeout)
+
+    def _queue_layer(self, layer: int, token: Any) -> None:
+        """On the loop: hand a claimed layer, with its slot, to the driver (a closed batch has
+        no driver any more: the layer is dropped)."""
+        if not self._closed:
+            self._written.put_nowait((layer, token))
 
     async def _release(self) -> None:
         session = self._session

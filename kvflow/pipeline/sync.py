@@ -212,9 +212,13 @@ class SyncSaveHandle(_SyncHandle):
     handle: SaveHandle
 
     def layer_written(self, layer: int, timeout: float | None = None) -> None:
-        """Layer ``layer`` is written; blocks while the save backlog is full."""
+        """Layer ``layer`` is written; returns at once while the save backlog has room (the
+        layer is handed to the loop without waiting), blocks (at most ``timeout``) when full."""
         h = self.handle
+        layer, limit = h._claim(layer, timeout)
         token = h._engine._device.layer_written(layer)  # on the caller's thread (its stream)
-        self._owner._call(
-            h._layer_written(layer, token, timeout), self._owner._outer(timeout), "layer_written"
-        )
+        if not h._backlog.take_blocking(limit):
+            h._unclaim(layer, limit)
+        if h._closed:
+            raise ClosedError("SaveHandle")
+        self._owner._loop.call_soon_threadsafe(h._queue_layer, layer, token)

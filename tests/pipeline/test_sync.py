@@ -68,3 +68,42 @@ def test_sync_wait_layer_times_out_and_close_stops_the_thread() -> None:
     with pytest.raises(kvflow.ClosedError):
         engine.lookup(np.arange(16))
     store.close()
+
+
+def test_sync_layer_written_returns_at_once_and_blocks_only_at_a_full_backlog() -> None:
+    caches = make_caches(4)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    store = WrappedStore(kvflow.LocalStore("8MiB"))
+    gate = threading.Event()
+    store.before_copy = lambda *a: gate.wait(5) and None
+    cfg = kvflow.EngineConfig(chunk_blocks=1, save_backlog=1)
+    with kvflow.SyncTransferEngine(layout, store, cfg) as engine:
+        tokens = np.arange(32)
+        save = engine.start_save([(tokens, [0, 1])])
+        save.layer_written(0, timeout=1)  # a free slot: handed over without waiting
+        with pytest.raises(kvflow.TransferTimeoutError):
+            save.layer_written(1, timeout=0.05)  # the backlog is full: the producer waits
+        errors: list[BaseException] = []
+
+        def again() -> None:
+            try:
+                save.layer_written(1, timeout=5)
+            except kvflow.KVFlowError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=again) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        gate.set()
+        for t in threads:
+            t.join(5)
+        assert len(errors) == 1 and isinstance(errors[0], kvflow.InvalidArgumentError)
+        for layer in (2, 3):
+            save.layer_written(layer, timeout=5)
+        assert save.wait(timeout=5).ok
+        store.before_copy = lambda *a: None
+        assert engine.load(tokens, [5, 6]).ok
+        for c in caches:
+            assert torch.equal(c[5:7].view(torch.uint8), c[0:2].view(torch.uint8))
+    store.close()
