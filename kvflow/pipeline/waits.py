@@ -9,6 +9,7 @@ timeout as ``False`` so that callers decide what it means.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 __all__ = ["acquire_within", "event_within", "future_within", "get_within"]
@@ -23,15 +24,27 @@ async def future_within(future: asyncio.Future[Any], timeout: float) -> bool:
     return future.done()
 
 
+async def _within(coro: Coroutine[Any, Any, T], timeout: float) -> asyncio.Task[T]:
+    """Run ``coro`` as a task for at most ``timeout`` s, cancelled past that; returns the task.
+
+    A cancellation of the caller cancels the task too (``finally``) and propagates."""
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.wait((task,), timeout=timeout)
+    finally:
+        if not task.done():
+            task.cancel()
+    return task
+
+
+def _succeeded(task: asyncio.Task[Any]) -> bool:
+    return task.done() and not task.cancelled()
+
+
 async def event_within(event: asyncio.Event, timeout: float) -> bool:
     """True once ``event`` is set; False after ``timeout`` s."""
-    if event.is_set():
-        return True
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait((waiter,), timeout=timeout)
-    finally:
-        waiter.cancel()
+    if not event.is_set():
+        await _within(event.wait(), timeout)
     return event.is_set()
 
 
@@ -40,25 +53,12 @@ async def acquire_within(semaphore: asyncio.Semaphore, timeout: float) -> bool:
     if not semaphore.locked():
         await semaphore.acquire()  # free now: returns without suspending
         return True
-    waiter = asyncio.ensure_future(semaphore.acquire())
-    try:
-        await asyncio.wait((waiter,), timeout=timeout)
-    finally:
-        if not waiter.done():
-            waiter.cancel()
-    return waiter.done() and not waiter.cancelled()
+    return _succeeded(await _within(semaphore.acquire(), timeout))
 
 
 async def get_within(queue: asyncio.Queue[T], timeout: float) -> T | None:
     """The next item of ``queue``; None after ``timeout`` s (nothing is taken then)."""
     if not queue.empty():
         return queue.get_nowait()
-    getter = asyncio.ensure_future(queue.get())
-    try:
-        await asyncio.wait((getter,), timeout=timeout)
-    finally:
-        if not getter.done():
-            getter.cancel()
-    if getter.done() and not getter.cancelled():
-        return getter.result()
-    return None
+    task = await _within(queue.get(), timeout)
+    return task.result() if _succeeded(task) else None
