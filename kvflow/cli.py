@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: ``kvflow bench <scenario>``."""
+"""The ``kvflow`` command: ``kvflow bench <scenario>``, ``kvflow serve``, ``kvflow pool ..``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from kvflow.bench import SCENARIOS
 from kvflow.bench.report import Report, machine_info, write_json
 from kvflow.errors import KVFlowError
+from kvflow.pool import cli as pool_cli
 
 __all__ = ["main"]
 
@@ -34,11 +35,14 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--plot", metavar="PATH", help="draw a PNG (needs matplotlib)")
         module.add_arguments(sub)
         sub.set_defaults(module=module)
+    pool_cli.add_commands(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command != "bench":
+        return pool_cli.run(args)
     if args.module is None:
         print(f"kvflow bench {args.scenario}: {args.error}", file=sys.stderr)
         return 2

@@ -9,7 +9,9 @@ The hierarchy::
     ├── ClosedError                  an engine, handle or store used after close()
     ├── TransferTimeoutError         a wait ran past its timeout (also a TimeoutError)
     ├── StoreError                   a store call failed; ``code`` keeps the native code
-    │   └── StoreUnavailableError    the store cannot be reached at all
+    │   ├── StoreUnavailableError    the store cannot be reached at all
+    │   └── ProtocolError            a malformed message on the shared pool's socket
+    ├── PoolRunningError             a pool server already serves that socket path
     └── MissingDependencyError       an optional engine is not installed (also an ImportError)
 
 Bad input is refused before anything changes: an operation that raises
@@ -28,6 +30,8 @@ __all__ = [
     "KVFlowError",
     "LayoutError",
     "MissingDependencyError",
+    "PoolRunningError",
+    "ProtocolError",
     "StoreError",
     "StoreUnavailableError",
     "TransferTimeoutError",
@@ -99,3 +103,15 @@ class MissingDependencyError(KVFlowError, ImportError):
         self.feature = feature
         self.install = install
         super().__init__(f"{feature} needs an optional package: pip install {install}")
+
+
+class ProtocolError(StoreError):
+    """A message on the shared pool's socket was malformed; that connection is closed."""
+
+
+class PoolRunningError(KVFlowError):
+    """A pool server already serves this socket path (one server per path)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"a kvflow pool server already serves {path}")

@@ -8,6 +8,29 @@ import pytest
 import torch
 
 import kvflow
+from tests.pools import STORE_NAMES, dispose, make_store, stop_servers
+
+
+@pytest.fixture(autouse=True)
+def _stop_pool_servers() -> Iterator[None]:
+    """Pool servers a test started stop when it ends, whatever happened."""
+    yield
+    stop_servers()
+
+
+@pytest.fixture(params=STORE_NAMES)
+def store_name(request: pytest.FixtureRequest) -> str:
+    """Each store engine in turn (``tests.pools.STORE_FACTORIES``)."""
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+def pool(store_name: str) -> Iterator[kvflow.Store]:
+    """A 64 MiB store of each engine in turn, disposed of after the test."""
+    store = make_store(store_name, "64MiB")
+    yield store
+    dispose(store)
 
 
 def make_caches(

@@ -248,13 +248,12 @@ class TransferEngine:
         fn: Callable[..., T],
         *args: Any,
         on_late: Callable[[T], None] | None = None,
-        fail_ok: bool = False,
     ) -> T:
         """Run a store metadata call on the metadata thread, with ``op_timeout_s`` (or inline,
         for stores whose metadata is in-process: see ``Store.inline_metadata``).
 
         A call that returns after its timeout hands its result to ``on_late`` (which releases
-        what it reserved). With ``fail_ok`` a failure is logged and swallowed (cleanup paths).
+        what it reserved).
         """
         self._stats.store_metadata_calls += 1
         first = args[0] if args else None  # keys, or a session that carries them
@@ -280,17 +279,8 @@ class TransferEngine:
             self._stats.timeouts += 1
             if on_late is not None:
                 future.add_done_callback(lambda f: _late(f, on_late))
-            if fail_ok:
-                log.warning("kvflow: store call %s timed out", name)
-                return None  # type: ignore[return-value]
             raise TransferTimeoutError(f"store.{name}", timeout)
-        try:
-            return future.result()
-        except KVFlowError as exc:
-            if fail_ok:
-                log.warning("kvflow: store call %s failed: %s", name, exc)
-                return None  # type: ignore[return-value]
-            raise
+        return future.result()
 
     def _late_read(self, session: Any) -> None:
         self._meta_pool.submit(_quiet, self.store.close_read, session)

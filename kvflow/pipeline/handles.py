@@ -98,9 +98,10 @@ class LoadHandle(BatchTransfer):
         self._consume(self.num_layers - 1)
         return await super().wait(timeout)
 
-    async def _release(self) -> None:
+    def _release_call(self) -> tuple[Any, tuple[Any, ...]] | None:
         if isinstance(self._session, ReadSession):
-            await self._engine._meta(self._engine.store.close_read, self._session, fail_ok=True)
+            return self._engine.store.close_read, (self._session,)
+        return None
 
 
 class _Backlog:
@@ -229,9 +230,10 @@ class SaveHandle(BatchTransfer):
         if not self._closed:
             self._written.put_nowait((layer, token))
 
-    async def _release(self) -> None:
+    def _release_call(self) -> tuple[Any, tuple[Any, ...]] | None:
         session = self._session
-        if isinstance(session, WriteSession):
-            ok = np.zeros(len(session.keys), dtype=bool)
-            ok[self._active] = ~self._failed
-            await self._engine._meta(self._engine.store.finish_write, session, ok, fail_ok=True)
+        if not isinstance(session, WriteSession):
+            return None
+        ok = np.zeros(len(session.keys), dtype=bool)
+        ok[self._active] = ~self._failed
+        return self._engine.store.finish_write, (session, ok)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from kvflow.errors import TransferTimeoutError
+from kvflow.errors import KVFlowError, TransferTimeoutError
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
 from kvflow.pipeline.batch import BatchPlan
 from kvflow.pipeline.waits import event_within, future_within
@@ -86,6 +86,7 @@ class BatchTransfer:
         self._result_ready = asyncio.Event()
         self._done = asyncio.Event()
         self._result: TransferResult | None = None
+        self._settled = False  # _finish_once has begun: the chunk statuses are final
         self._closed = False
         self.last_error: BaseException | None = None
         self._tasks = [
@@ -104,8 +105,29 @@ class BatchTransfer:
     def _layer_finished(self, layer: int) -> None:
         """Called by the completer after each layer (save: frees a backlog slot)."""
 
-    async def _release(self) -> None:
+    def _release_call(self) -> tuple[Any, tuple[Any, ...]] | None:
+        """The store call that ends the session (commit or release) and its arguments."""
         raise NotImplementedError
+
+    async def _release(self) -> None:
+        """End the store session. If the store says it could not (the pool went away, a lease
+        ran past its limit), nothing of the batch is trusted: its chunks fail."""
+        call = self._release_call()
+        if call is None:
+            return
+        fn, args = call
+        try:
+            await self._engine._meta(fn, *args)
+        except KVFlowError as exc:
+            log.warning("kvflow: %s could not end its store session: %s", type(self).__name__, exc)
+            stats = self._engine._stats
+            stats.store_errors += 1
+            ok_before = int((~self._failed).sum())
+            self._failed[:] = True
+            self._status[self._active] = ChunkStatus.FAILED
+            stats.failed_chunks += ok_before
+            moved = ok_before * self._plan.chunk_blocks
+            setattr(stats, self._blocks_stat, getattr(stats, self._blocks_stat) - moved)
 
     # -- the stages ---------------------------------------------------------------------------
 
@@ -223,20 +245,22 @@ class BatchTransfer:
         it returns (bounded by a grace period), so the store never reuses memory under it; then
         the result is published first, so no caller waits for a straggler.
         """
-        if self._result is not None:
+        if self._settled:
             return
-        self._result = self._plan.result(self._status)
+        self._settled = True
         unsettled = [f for f in self._futures if not f.done() and f not in self._timed_out]
         if unsettled:  # a closed batch's copies in flight: they normally end in microseconds
             await asyncio.wait(unsettled, timeout=self._engine.config.copy_timeout_s)
         pending = [f for f in self._futures if not f.done()]
         if pending:
+            self._result = self._plan.result(self._status)
             self._result_ready.set()
             self._engine._background(self._release_after(pending))
             return
         try:
             await self._release()  # a save's objects are visible before its result is
         finally:
+            self._result = self._plan.result(self._status)
             self._engine._handles.discard(self)
             self._result_ready.set()
             self._done.set()
@@ -296,7 +320,7 @@ class BatchTransfer:
         await self._finish()
 
     def _abort(self) -> None:
-        if self._result is None:
+        if not self._settled:
             self._failed[:] = True
             self._status[self._active] = ChunkStatus.FAILED
 

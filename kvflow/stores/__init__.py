@@ -11,6 +11,7 @@ from kvflow.stores.base import (
 )
 from kvflow.stores.instrumented import CopyRecord, InstrumentedStore
 from kvflow.stores.local import LocalStore
+from kvflow.stores.shared import SharedStore, SharedStoreConfig
 
 __all__ = [
     "CopyRecord",
@@ -18,6 +19,8 @@ __all__ = [
     "InstrumentedStore",
     "LocalStore",
     "ReadSession",
+    "SharedStore",
+    "SharedStoreConfig",
     "Store",
     "StoreUsage",
     "SupportsUsage",

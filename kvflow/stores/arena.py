@@ -133,8 +133,10 @@ class ArenaIndex:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def open_read(self, keys: Sequence[str]) -> tuple[int, np.ndarray, np.ndarray]:
+    def open_read(self, keys: Sequence[str]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Lease the committed keys: (handle, offsets, found, object sizes)."""
         offsets = np.zeros(len(keys), dtype=np.int64)
+        sizes = np.zeros(len(keys), dtype=np.int64)
         found = np.zeros(len(keys), dtype=bool)
         session = _Session(writing=False)
         for i, key in enumerate(keys):
@@ -146,8 +148,9 @@ class ArenaIndex:
             self._lru.pop(key, None)
             session.keys.append(key)
             offsets[i] = entry.offset
+            sizes[i] = entry.size
             found[i] = True
-        return self._open(session), offsets, found
+        return self._open(session), offsets, found, sizes
 
     def close_read(self, handle: int) -> None:
         for key in self._close(handle, writing=False).keys:

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvflow._validate import merge_spans
 from kvflow.config import parse_size
 from kvflow.errors import ClosedError, ConfigError, InvalidArgumentError
 from kvflow.stores.arena import SLOT_ALIGN, ArenaIndex
@@ -22,6 +21,7 @@ from kvflow.stores.base import (
     WriteStatus,
 )
 from kvflow.stores.copyloop import NATIVE, copy_ranges
+from kvflow.stores.regions import LocalRegions, check_copy_arrays
 
 __all__ = ["LocalStore"]
 
@@ -62,7 +62,7 @@ class LocalStore(Store):
         self._base = int(self._buffer.ctypes.data)
         self._index = ArenaIndex(size)
         self._lock = threading.Lock()
-        self._regions = np.zeros((0, 2), dtype=np.int64)  # sorted [start, end)
+        self._regions = LocalRegions()
         self._closed = False
         self._native_copy = native_copy
 
@@ -71,11 +71,7 @@ class LocalStore(Store):
         return self._index.capacity
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
-        spans = [(int(a), int(a) + int(n)) for a, n in regions]
-        with self._lock:
-            known = [(int(lo), int(hi)) for lo, hi in self._regions.tolist()]
-            merged = merge_spans(known + spans)
-            self._regions = np.array(merged, dtype=np.int64).reshape(-1, 2)
+        self._regions.register(regions)
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray:
         with self._lock:
@@ -102,7 +98,7 @@ class LocalStore(Store):
         keys = tuple(keys)
         with self._lock:
             self._check_open()
-            handle, offsets, found = self._index.open_read(keys)
+            handle, offsets, found, _ = self._index.open_read(keys)
         return ReadSession(handle, keys, np.where(found, offsets + self._base, 0), found)
 
     def close_read(self, session: ReadSession) -> None:
@@ -154,28 +150,14 @@ class LocalStore(Store):
 
     def _check_ranges(self, pool: np.ndarray, local: np.ndarray, sizes: np.ndarray) -> None:
         """Refuse any range outside the arena or outside registered local memory."""
-        if not (pool.shape == local.shape == sizes.shape) or pool.ndim != 1:
-            raise InvalidArgumentError("sizes", sizes.shape, "address and size arrays differ")
+        check_copy_arrays(pool, local, sizes)
         if sizes.size == 0:
             return
-        if sizes.min() < 0:
-            raise InvalidArgumentError("sizes", int(sizes.min()), "sizes must be >= 0")
         lo, hi = self._base, self._base + self.capacity
         # compare sizes with the room left, never addr + size, which can wrap past 2**63
         if pool.min() < lo or pool.max() > hi or (sizes > hi - pool).any():
             raise InvalidArgumentError("pool_addrs", hex(int(pool.min())), "outside the arena")
-        regions = self._regions
-        if regions.shape[0] == 0:
-            raise InvalidArgumentError(
-                "local_addrs", hex(int(local[0])), "no local memory is registered (call register())"
-            )
-        idx = np.searchsorted(regions[:, 0], local, side="right") - 1
-        inside = (idx >= 0) & (sizes <= regions[np.maximum(idx, 0), 1] - local)
-        if not inside.all():
-            bad = int(local[~inside][0])
-            raise InvalidArgumentError(
-                "local_addrs", hex(bad), "outside every registered region (call register())"
-            )
+        self._regions.check(local, sizes)
 
 
 def _anonymous_map(size: int, *, prefault: bool) -> mmap.mmap:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 import kvflow
+from tests.pools import dispose, make_store
 
 BS = 4
 CHUNK = 2
@@ -27,11 +28,11 @@ def content(tokens: np.ndarray, layer: int) -> np.ndarray:
     return out
 
 
-async def test_concurrent_overlapping_saves_and_loads_are_exact() -> None:
+async def test_concurrent_overlapping_saves_and_loads_are_exact(store_name: str) -> None:
     caches = [torch.zeros(BLOCKS, WIDTH, dtype=torch.uint8) for _ in range(LAYERS)]
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
     # room for ~24 objects: constant eviction while requests run
-    store = kvflow.LocalStore(24 * 4096)
+    store = make_store(store_name, 24 * 4096)
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, prefetch_layers=1, copy_threads=2)
     rng = np.random.default_rng(7)
     prefixes = [rng.integers(0, 9, 16) for _ in range(4)]
@@ -73,13 +74,13 @@ async def test_concurrent_overlapping_saves_and_loads_are_exact() -> None:
     assert usage.leases == 0 and usage.pending_writes == 0 and usage.open_sessions == 0
     assert usage.evictions > 0, "the pool never filled: the test did not exercise eviction"
     assert checked["loaded_chunks"] > 50 and checked["missing"] > 0
-    store.close()
+    dispose(store)
 
 
-async def test_eviction_never_touches_a_leased_object() -> None:
+async def test_eviction_never_touches_a_leased_object(store_name: str) -> None:
     caches = [torch.randint(0, 256, (BLOCKS, WIDTH), dtype=torch.uint8) for _ in range(LAYERS)]
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = kvflow.LocalStore(4 * 4096)  # four objects
+    store = make_store(store_name, 4 * 4096)  # four objects
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, prefetch_layers=1)
     async with kvflow.TransferEngine(layout, store, cfg) as e:
         held = np.arange(8)  # one chunk

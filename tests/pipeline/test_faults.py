@@ -292,3 +292,48 @@ async def test_failed_chunk_is_not_copied_again_in_later_layers(setup) -> None:
         assert calls["n"] == 1, "layers after a failure still copied the failed chunk"
         for c, b in zip(caches, before, strict=True):
             assert torch.equal(c[8:10].view(torch.uint8), b.view(torch.uint8))
+
+
+class _LosesSessions(kvflow.InstrumentedStore):
+    """A real LocalStore whose commit or release reports that the store lost the session (as a
+    SharedStore does when its server went away or a lease ran past its limit)."""
+
+    def __init__(self, inner: kvflow.Store, fail: str) -> None:
+        super().__init__(inner)
+        self.fail = fail
+
+    def finish_write(self, session: kvflow.WriteSession, ok: np.ndarray) -> None:
+        super().finish_write(session, np.zeros_like(ok) if self.fail == "finish_write" else ok)
+        if self.fail == "finish_write":
+            raise kvflow.StoreUnavailableError("the pool went away before the commit")
+
+    def close_read(self, session: kvflow.ReadSession) -> None:
+        super().close_read(session)
+        if self.fail == "close_read":
+            raise kvflow.StoreError("the leases ran past their time limit", 3)
+
+
+@pytest.mark.parametrize("fail", ["finish_write", "close_read"])
+async def test_a_session_the_store_lost_fails_its_chunks(fail: str) -> None:
+    caches = make_caches(LAYERS)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    inner = kvflow.LocalStore("16MiB")
+    store = _LosesSessions(inner, fail="")
+    tokens = tokens_for(3)
+    async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
+        if fail == "close_read":
+            assert (await e.save(tokens, np.arange(6))).ok
+        store.fail = fail
+        if fail == "finish_write":
+            result = await e.save(tokens, np.arange(6))
+            assert await e.lookup(tokens) == 0  # nothing was committed
+        else:
+            result = await e.load(tokens, np.arange(10, 16))
+        assert result.count(kvflow.ChunkStatus.FAILED) == 3 and not result.ok
+        stats = e.stats()
+        assert stats.store_errors == 1 and stats.failed_chunks == 3
+        assert stats.blocks_loaded == 0
+        assert stats.blocks_saved == (6 if fail == "close_read" else 0)
+    u = inner.usage()
+    assert (u.pending_writes, u.leases) == (0, 0)
+    inner.close()

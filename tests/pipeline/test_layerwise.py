@@ -15,6 +15,7 @@ import kvflow
 from kvflow.stores.base import Direction
 from tests.conftest import make_caches
 from tests.pipeline.wrappers import WrappedStore
+from tests.pools import dispose, make_store
 
 BS = 16
 
@@ -24,11 +25,11 @@ def tokens_for(chunks: int, chunk_blocks: int, seed: int = 0) -> np.ndarray:
 
 
 @pytest.mark.parametrize("prefetch", [1, 2, 4])
-async def test_load_waits_follow_copies_and_window_holds(prefetch: int) -> None:
+async def test_load_waits_follow_copies_and_window_holds(prefetch: int, store_name: str) -> None:
     layers, chunk_blocks = 12, 2
     caches = make_caches(layers)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = WrappedStore(kvflow.LocalStore("16MiB"))
+    store = WrappedStore(make_store(store_name, "16MiB"))
     cfg = kvflow.EngineConfig(chunk_blocks=chunk_blocks, prefetch_layers=prefetch)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         tokens = tokens_for(4, chunk_blocks)
@@ -65,10 +66,10 @@ async def test_load_waits_follow_copies_and_window_holds(prefetch: int) -> None:
 
 
 @pytest.mark.parametrize("backlog", [1, 3])
-async def test_save_backlog_bounds_the_producer(backlog: int) -> None:
+async def test_save_backlog_bounds_the_producer(backlog: int, store_name: str) -> None:
     layers = 10
     layout = kvflow.KVLayout.from_tensors(make_caches(layers), block_size=BS)
-    store = WrappedStore(kvflow.LocalStore("16MiB"))
+    store = WrappedStore(make_store(store_name, "16MiB"))
     gate = threading.Event()
     store.before_copy = lambda *a: gate.wait(5) and None
     cfg = kvflow.EngineConfig(chunk_blocks=2, save_backlog=backlog)
@@ -92,9 +93,9 @@ async def test_save_backlog_bounds_the_producer(backlog: int) -> None:
         assert len(store.copies) == layers
 
 
-async def test_layers_may_be_written_in_any_order_each_once() -> None:
+async def test_layers_may_be_written_in_any_order_each_once(store_name: str) -> None:
     layout = kvflow.KVLayout.from_tensors(make_caches(5), block_size=BS)
-    store = kvflow.LocalStore("8MiB")
+    store = make_store(store_name, "8MiB")
     async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=1)) as engine:
         handle = await engine.start_save([(tokens_for(2, 1), np.arange(2))])
         for layer in (3, 0, 4, 1, 2):  # out of order is allowed, each layer once
@@ -104,16 +105,18 @@ async def test_layers_may_be_written_in_any_order_each_once() -> None:
         with pytest.raises(kvflow.InvalidArgumentError) as info:
             await handle.layer_written(1)
         assert info.value.argument == "layer"
-    store.close()
+    dispose(store)
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "metadata-thread"])
 @pytest.mark.parametrize("layers", [1, 8, 32, 61])
-async def test_metadata_calls_per_batch_do_not_grow_with_layers(layers: int, inline: bool) -> None:
+async def test_metadata_calls_per_batch_do_not_grow_with_layers(
+    layers: int, inline: bool, store_name: str
+) -> None:
     layout = kvflow.KVLayout.from_tensors(
         make_caches(layers, num_blocks=32, block_shape=(16,), dtype=torch.uint8), block_size=BS
     )
-    store = WrappedStore(kvflow.LocalStore("16MiB"))
+    store = WrappedStore(make_store(store_name, "16MiB"))
     store.inline_metadata = inline
     async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=2)) as engine:
         tokens = tokens_for(8, 2)

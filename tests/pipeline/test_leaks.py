@@ -9,15 +9,16 @@ import numpy as np
 import torch
 
 import kvflow
+from tests.pools import dispose, make_store
 
 BS = 4
 
 
-async def test_thousands_of_operations_leak_nothing() -> None:
+async def test_thousands_of_operations_leak_nothing(store_name: str) -> None:
     threads_before = threading.active_count()
     caches = [torch.zeros(64, 16, dtype=torch.uint8) for _ in range(4)]
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = kvflow.LocalStore(16 * 4096)
+    store = make_store(store_name, 16 * 4096)
     rng = np.random.default_rng(1)
     engine = kvflow.TransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=2))
     tasks_before = len(asyncio.all_tasks())
@@ -46,7 +47,7 @@ async def test_thousands_of_operations_leak_nothing() -> None:
     assert len(asyncio.all_tasks()) == tasks_before
     assert engine._copier.in_flight == 0
     await engine.close()
-    store.close()
+    dispose(store)
     for _ in range(100):
         if threading.active_count() <= threads_before:
             break

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvflow
+from tests.pools import STORE_NAMES, dispose, make_store
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
 
@@ -50,7 +52,9 @@ def zeros_like_views(views):
     return out
 
 
-async def _roundtrip(kind, layers, parts, dtype, chunk_blocks, prompts, seed, max_bytes):
+async def _roundtrip(
+    kind, layers, parts, dtype, chunk_blocks, prompts, seed, max_bytes, store_name
+):
     num_blocks = 64
     src_layout, src = build(kind, layers, parts, num_blocks, dtype, seed)
     dst = zeros_like_views(src)
@@ -65,7 +69,7 @@ async def _roundtrip(kind, layers, parts, dtype, chunk_blocks, prompts, seed, ma
     assert dst_layout.fingerprint() == src_layout.fingerprint()
     cfg = kvflow.EngineConfig(chunk_blocks=chunk_blocks, max_transfer_bytes=max_bytes)
     rng = np.random.default_rng(seed)
-    store = kvflow.LocalStore("32MiB")
+    store = make_store(store_name, "32MiB")
     try:
         async with (
             kvflow.TransferEngine(src_layout, store, cfg) as saver,
@@ -100,12 +104,13 @@ async def _roundtrip(kind, layers, parts, dtype, chunk_blocks, prompts, seed, ma
                             b = d_part[torch.as_tensor(here)].view(torch.uint8)
                             assert torch.equal(a, b), (key, layer)
     finally:
-        store.close()
+        dispose(store)
 
 
 prompt = st.lists(st.integers(0, 50_000), min_size=0, max_size=70)
 
 
+@pytest.mark.parametrize("store_name", STORE_NAMES)
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(["blocks", "kv_split", "mla"]),
@@ -119,16 +124,18 @@ prompt = st.lists(st.integers(0, 50_000), min_size=0, max_size=70)
     max_bytes=st.sampled_from([16, 100, 1 << 20]),
 )
 def test_roundtrip_is_bit_exact(
-    kind, layers, parts, dtype, chunk_blocks, base, tails, seed, max_bytes
+    kind, layers, parts, dtype, chunk_blocks, base, tails, seed, max_bytes, store_name
 ):
     # requests share the prefix `base`, so their first chunks share keys
     prompts = [np.array(base + t, dtype=np.int64) for t in tails]
-    asyncio.run(_roundtrip(kind, layers, parts, dtype, chunk_blocks, prompts, seed, max_bytes))
+    asyncio.run(
+        _roundtrip(kind, layers, parts, dtype, chunk_blocks, prompts, seed, max_bytes, store_name)
+    )
 
 
-def test_shared_prefix_is_stored_once(caches, layout):
+def test_shared_prefix_is_stored_once(caches, layout, store_name):
     async def main():
-        store = kvflow.LocalStore("16MiB")
+        store = make_store(store_name, "16MiB")
         cfg = kvflow.EngineConfig(chunk_blocks=2)
         async with kvflow.TransferEngine(layout, store, cfg) as engine:
             prefix = list(range(64))  # two chunks of 2 blocks x 16 tokens
@@ -140,6 +147,6 @@ def test_shared_prefix_is_stored_once(caches, layout):
             assert rb.count(kvflow.ChunkStatus.EXISTS) == 2
             assert rb.count(kvflow.ChunkStatus.OK) == 1
             assert store.usage().objects == 4
-        store.close()
+        dispose(store)
 
     asyncio.run(main())

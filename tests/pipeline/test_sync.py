@@ -12,14 +12,15 @@ import torch
 import kvflow
 from tests.conftest import make_caches
 from tests.pipeline.wrappers import WrappedStore
+from tests.pools import dispose, make_store
 
 BS = 16
 
 
-def test_layerwise_round_trip_from_plain_threads() -> None:
+def test_layerwise_round_trip_from_plain_threads(store_name: str) -> None:
     caches = make_caches(8)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = kvflow.LocalStore("16MiB")
+    store = make_store(store_name, "16MiB")
     cfg = kvflow.EngineConfig(chunk_blocks=2, prefetch_layers=2)
     with kvflow.SyncTransferEngine(layout, store, cfg) as engine:
         tokens = np.arange(128)
@@ -46,12 +47,12 @@ def test_layerwise_round_trip_from_plain_threads() -> None:
             assert torch.equal(c[30:38].view(torch.uint8), c[0:8].view(torch.uint8))
         stats = engine.stats()
         assert stats.layer_waits == [1] * 8 and stats.blocks_loaded == 8
-    store.close()
+    dispose(store)
 
 
-def test_sync_wait_layer_times_out_and_close_stops_the_thread() -> None:
+def test_sync_wait_layer_times_out_and_close_stops_the_thread(store_name: str) -> None:
     layout = kvflow.KVLayout.from_tensors(make_caches(3), block_size=BS)
-    store = WrappedStore(kvflow.LocalStore("8MiB"))
+    store = WrappedStore(make_store(store_name, "8MiB"))
     gate = threading.Event()
     engine = kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=1))
     engine.save(np.arange(16), [0])
@@ -67,13 +68,15 @@ def test_sync_wait_layer_times_out_and_close_stops_the_thread() -> None:
     assert not engine._thread.is_alive()
     with pytest.raises(kvflow.ClosedError):
         engine.lookup(np.arange(16))
-    store.close()
+    dispose(store)
 
 
-def test_sync_layer_written_returns_at_once_and_blocks_only_at_a_full_backlog() -> None:
+def test_sync_layer_written_returns_at_once_and_blocks_only_at_a_full_backlog(
+    store_name: str,
+) -> None:
     caches = make_caches(4)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = WrappedStore(kvflow.LocalStore("8MiB"))
+    store = WrappedStore(make_store(store_name, "8MiB"))
     gate = threading.Event()
     store.before_copy = lambda *a: gate.wait(5) and None
     cfg = kvflow.EngineConfig(chunk_blocks=1, save_backlog=1)
@@ -106,4 +109,4 @@ def test_sync_layer_written_returns_at_once_and_blocks_only_at_a_full_backlog() 
         assert engine.load(tokens, [5, 6]).ok
         for c in caches:
             assert torch.equal(c[5:7].view(torch.uint8), c[0:2].view(torch.uint8))
-    store.close()
+    dispose(store)

@@ -1,19 +1,16 @@
-"""Fixtures for the store contract suite: every store in STORE_FACTORIES runs every test.
-
-To run the suite against another pool engine, add one line to STORE_FACTORIES: a name and a
-callable that takes a capacity in bytes and returns an open store of exactly that capacity (the
-eviction tests count objects). A factory whose engine is unavailable may call ``pytest.skip``.
-"""
+"""Fixtures for the store contract suite: every store in ``tests.pools.STORE_FACTORIES`` runs
+every test (add a pool engine there)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
 
-from kvflow import Direction, LocalStore, Store, StoreUsage, SupportsUsage, WriteStatus
+from kvflow import Direction, Store, StoreUsage, SupportsUsage, WriteStatus
+from tests.pools import STORE_FACTORIES, dispose, make_store
 
 __all__ = [
     "GUARD",
@@ -30,27 +27,10 @@ __all__ = [
     "write_objects",
 ]
 
-StoreFactory = Callable[[int], Store]
-
-STORE_FACTORIES: dict[str, StoreFactory] = {
-    "local": lambda capacity: LocalStore(capacity),
-}
-
 STORE_CAPACITY = 16 << 20  # the `store` fixture
 OBJ_BYTES = 8192  # object size the tests use: a whole number of 4 KiB slots
 SMALL_OBJECTS = 4  # the `small_store` fixture holds exactly this many OBJ_BYTES objects
 GUARD = 4096  # unregistered bytes on either side of every buffer alloc_registered returns
-
-
-def make_store(name: str, capacity: int) -> Store:
-    """A fresh store from the registry; the caller closes it."""
-    return STORE_FACTORIES[name](capacity)
-
-
-@pytest.fixture(params=sorted(STORE_FACTORIES))
-def store_name(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
 
 
 @pytest.fixture
@@ -58,7 +38,7 @@ def store(store_name: str) -> Iterator[Store]:
     """A store of STORE_CAPACITY bytes, closed after the test."""
     s = make_store(store_name, STORE_CAPACITY)
     yield s
-    s.close()
+    dispose(s)
 
 
 @pytest.fixture
@@ -66,7 +46,7 @@ def small_store(store_name: str) -> Iterator[Store]:
     """A store with room for exactly SMALL_OBJECTS objects of OBJ_BYTES: for eviction tests."""
     s = make_store(store_name, SMALL_OBJECTS * OBJ_BYTES)
     yield s
-    s.close()
+    dispose(s)
 
 
 def alloc_registered(store: Store, nbytes: int, *, fill: int | None = None) -> np.ndarray:

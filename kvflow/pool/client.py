@@ -1,0 +1,181 @@
+"""PoolConnection: one client connection to a pool server, with the arena mapped.
+
+Blocking and not thread-safe: the owner (SharedStore) serialises requests. Every read and write
+on the socket has a timeout; a timeout, a closed socket or a malformed reply raises
+StoreUnavailableError or ProtocolError, after which the connection is unusable (``broken``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import select
+import socket
+import time
+
+from kvflow.errors import ProtocolError, StoreError, StoreUnavailableError
+from kvflow.pool import protocol as p
+
+__all__ = ["PoolConnection", "Reply"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+
+Reply = tuple[p.Code, bytes]
+
+
+class PoolConnection:
+    """Connect to ``path``, say HELLO, receive and map the arena (``base``, ``capacity``)."""
+
+    def __init__(self, path: str, timeout_s: float, *, populate: bool = False) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self.broken = False
+        self.base = 0
+        self.capacity = 0
+        self._next_id = 1
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            raise StoreUnavailableError(f"no kvflow pool server on {path}: {exc}") from exc
+        self._sock = sock
+        try:
+            self.hello = self._greet(populate)
+        except BaseException:
+            self.close()
+            raise
+
+    def _greet(self, populate: bool) -> p.Hello:
+        rid = self._send(p.Op.HELLO, p.hello_body(os.getpid()))
+        try:
+            header, fds, _, _ = socket.recv_fds(self._sock, p.HEADER.size, 1)
+        except OSError as exc:
+            raise StoreUnavailableError(
+                f"pool server on {self.path} did not answer: {exc}"
+            ) from exc
+        try:
+            if len(header) < p.HEADER.size:
+                header += self._recv_exact(p.HEADER.size - len(header))
+            code, body = self._read_reply(rid, header)
+            if code != p.Code.OK:
+                raise StoreError(f"pool server refused HELLO: {body.decode('utf-8', 'replace')}")
+            hello = p.parse_hello(body)
+            if len(fds) != 1:
+                raise ProtocolError("HELLO reply came without the arena")
+            size = os.fstat(fds[0]).st_size
+            if size != hello.capacity:
+                raise ProtocolError(f"arena of {size} bytes, server said {hello.capacity}")
+            self.base = _map(fds[0], size, populate)
+            self.capacity = size
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return hello
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def request(self, op: p.Op, body: bytes = b"") -> Reply:
+        """Send one request and return its reply's code and body."""
+        if self.broken:
+            raise StoreUnavailableError(f"connection to the pool on {self.path} is closed")
+        try:
+            rid = self._send(op, body)
+            header = self._recv_exact(p.HEADER.size)
+            return self._read_reply(rid, header)
+        except BaseException:
+            self.broken = True
+            raise
+
+    def peer_gone(self) -> bool:
+        """True if the server closed its end (a poll, no wait; safe beside a request)."""
+        if self.broken:
+            return True
+        poller = select.poll()  # one per call: a poll object is not thread-safe
+        poller.register(self._sock.fileno(), 0)  # HUP and ERR are always reported
+        return bool(poller.poll(0))
+
+    def _send(self, op: p.Op, body: bytes) -> int:
+        rid = self._next_id
+        self._next_id = (rid + 1) & 0xFFFFFFFF
+        try:
+            self._sock.sendall(p.frame(op, rid, body))
+        except OSError as exc:
+            raise StoreUnavailableError(f"pool server on {self.path} is gone: {exc}") from exc
+        return rid
+
+    def _read_reply(self, rid: int, header: bytes) -> Reply:
+        length, version, code, _, got = p.HEADER.unpack(header)
+        if version != p.VERSION or got != rid or length > p.MAX_BODY:
+            raise ProtocolError(f"unexpected reply (version {version}, id {got}, {length} bytes)")
+        body = self._recv_exact(length)
+        try:
+            return p.Code(code), body
+        except ValueError:
+            raise ProtocolError(f"unknown reply code {code}") from None
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while got < n:
+                self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                k = self._sock.recv_into(view[got:])
+                if k == 0:
+                    raise StoreUnavailableError(f"pool server on {self.path} closed the connection")
+                got += k
+        except TimeoutError as exc:
+            raise StoreUnavailableError(
+                f"pool server on {self.path} did not answer within {self.timeout_s:g} s"
+            ) from exc
+        except OSError as exc:
+            raise StoreUnavailableError(f"pool server on {self.path} is gone: {exc}") from exc
+        return bytes(buf)
+
+    def goodbye(self) -> None:
+        """Ask the server to release this connection's sessions now, then close."""
+        if not self.broken:
+            with contextlib.suppress(StoreError):
+                self.request(p.Op.BYE)
+        self.close()
+
+    def close(self) -> None:
+        """Close the socket (the server then releases this connection's sessions). The arena
+        stays mapped: ``unmap()`` it once no copy can touch it."""
+        self.broken = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def unmap(self) -> None:
+        if self.base:
+            _libc.munmap(self.base, self.capacity)
+            self.base = 0
+
+
+def _map(fd: int, size: int, populate: bool) -> int:
+    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise StoreError(f"cannot map the pool's arena: {os.strerror(err)}", err)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        _libc.madvise(addr, size, mmap.MADV_HUGEPAGE)  # advice only; shmem THP may be off
+    return int(addr)

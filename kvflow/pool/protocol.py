@@ -1,0 +1,315 @@
+"""The shared pool's wire protocol: compact, versioned binary frames over a Unix socket.
+
+Every message, either way, is one frame::
+
+    header  <I B B H I>   body length, protocol version, op (request) or code (reply), 0, request id
+    body    op-specific, little-endian, every length checked against what is left
+
+Requests (and their reply bodies):
+
+    HELLO         u32 pid                      -> u64 capacity, u64 instance, u32 lease_ttl_ms
+                                                  (+ the arena's file descriptor, SCM_RIGHTS)
+    LOOKUP        keys                         -> u32 n, n x u8 found
+    OPEN_WRITE    u64 nbytes, keys             -> session (flags: WriteStatus)
+    FINISH_WRITE  u64 handle, u32 n, n x u8 ok -> (empty)
+    OPEN_READ     keys                         -> session (flags: found)
+    CLOSE_READ    u64 handle                   -> (empty)
+    STATS         (empty)                      -> u32 n, n x u64 (STATS_FIELDS, in order)
+    BYE           (empty)                      -> (empty); the connection's sessions are
+                                                  released before the reply, then it closes
+
+A session reply is ``u64 handle, u32 n, n x i64 offset, n x i64 size, n x u8 flag``.
+``keys`` is ``u32 n, n x u16 length, the UTF-8 bytes of every key back to back``. A reply's code
+says how the request went (``Code``); a reply with a code other than OK has an empty body or a
+UTF-8 reason. Decoding is pure and all-or-nothing: a message is decoded completely before the
+server acts on it, so a malformed one (``ProtocolError``) changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow.errors import ProtocolError
+
+__all__ = [
+    "HEADER",
+    "MAX_BODY",
+    "MAX_KEYS",
+    "MAX_KEY_BYTES",
+    "STATS_FIELDS",
+    "VERSION",
+    "Code",
+    "Hello",
+    "Op",
+    "Request",
+    "decode_request",
+    "encode_keys",
+    "frame",
+    "Reader",
+    "finish_write_body",
+    "flags_reply",
+    "handle_body",
+    "hello_body",
+    "hello_reply",
+    "open_write_body",
+    "parse_flags",
+    "parse_hello",
+    "parse_session",
+    "parse_stats",
+    "session_reply",
+    "stats_reply",
+]
+
+VERSION = 1
+HEADER = struct.Struct("<IBBHI")
+MAX_BODY = 64 << 20  # a frame's body; 1 M keys of 64 bytes fit
+MAX_KEYS = 1 << 20
+MAX_KEY_BYTES = 1024
+
+STATS_FIELDS = (
+    "capacity",
+    "used",
+    "objects",
+    "pending_writes",
+    "leases",
+    "open_sessions",
+    "hits",
+    "misses",
+    "evictions",
+    "no_space",
+    "expired_leases",
+    "clients",
+    "clients_total",
+    "released_on_disconnect",
+    "refused_peers",
+    "bad_messages",
+    "requests",
+)
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    LOOKUP = 2
+    OPEN_WRITE = 3
+    FINISH_WRITE = 4
+    OPEN_READ = 5
+    CLOSE_READ = 6
+    STATS = 7
+    BYE = 8
+
+
+class Code(enum.IntEnum):
+    OK = 0
+    BAD_REQUEST = 1  # malformed: the server closes the connection after this reply
+    UNKNOWN_SESSION = 2  # no such session on this connection (never opened, or finished)
+    EXPIRED = 3  # the read session's leases ran past the server's time limit
+    VERSION_MISMATCH = 4
+    INVALID_ARGUMENT = 5
+
+
+@dataclass(frozen=True)
+class Request:
+    """A decoded request. Fields unused by ``op`` keep their defaults."""
+
+    op: Op
+    keys: tuple[str, ...] = ()
+    nbytes: int = 0
+    handle: int = 0
+    flags: np.ndarray | None = None  # FINISH_WRITE's ok flags
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The server's answer to HELLO."""
+
+    capacity: int
+    instance: int
+    lease_ttl_ms: int
+
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_HELLO = struct.Struct("<QQI")
+_HANDLE_N = struct.Struct("<QI")
+
+
+def frame(code_or_op: int, request_id: int, body: bytes = b"") -> bytes:
+    """One frame: header plus body."""
+    return HEADER.pack(len(body), VERSION, code_or_op, 0, request_id) + body
+
+
+class Reader:
+    """Reads fields from a body, checking every length against what is left."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = memoryview(body)
+        self._at = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self._at + n > len(self._body):
+            raise ProtocolError(f"{what}: needs {n} bytes, {len(self._body) - self._at} left")
+        out = self._body[self._at : self._at + n]
+        self._at += n
+        return out
+
+    def u32(self, what: str) -> int:
+        value: int = _U32.unpack(self.take(4, what))[0]
+        return value
+
+    def u64(self, what: str) -> int:
+        value: int = _U64.unpack(self.take(8, what))[0]
+        return value
+
+    def array(self, dtype: type, n: int, what: str) -> np.ndarray:
+        size = np.dtype(dtype).itemsize
+        out: np.ndarray = np.frombuffer(self.take(n * size, what), dtype=dtype).copy()
+        return out
+
+    def keys(self) -> tuple[str, ...]:
+        n = self.u32("key count")
+        if n > MAX_KEYS:
+            raise ProtocolError(f"key count {n} above the limit {MAX_KEYS}")
+        lengths = self.array(np.dtype("<u2").type, n, "key lengths").astype(np.int64)
+        if n and int(lengths.max()) > MAX_KEY_BYTES:
+            raise ProtocolError(f"a key of {int(lengths.max())} bytes (limit {MAX_KEY_BYTES})")
+        blob = bytes(self.take(int(lengths.sum()), "key bytes"))
+        ends = np.cumsum(lengths).tolist()
+        starts = [0, *ends][:n]
+        try:
+            return tuple(blob[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True))
+        except UnicodeDecodeError as exc:
+            raise ProtocolError(f"a key is not UTF-8: {exc.reason}") from exc
+
+    def end(self) -> None:
+        left = len(self._body) - self._at
+        if left:
+            raise ProtocolError(f"{left} unexpected trailing bytes")
+
+
+def encode_keys(keys: tuple[str, ...] | list[str]) -> bytes:
+    raw = [k.encode("utf-8") for k in keys]
+    if len(raw) > MAX_KEYS:
+        raise ProtocolError(f"{len(raw)} keys in one call (limit {MAX_KEYS})")
+    lengths = np.fromiter((len(b) for b in raw), dtype=np.int64, count=len(raw))
+    if len(raw) and int(lengths.max()) > MAX_KEY_BYTES:
+        raise ProtocolError(f"a key of {int(lengths.max())} bytes (limit {MAX_KEY_BYTES})")
+    return _U32.pack(len(raw)) + lengths.astype("<u2").tobytes() + b"".join(raw)
+
+
+def decode_request(op: int, body: bytes) -> Request:
+    """Decode one request body. Raises ProtocolError for anything malformed."""
+    try:
+        kind = Op(op)
+    except ValueError:
+        raise ProtocolError(f"unknown op {op}") from None
+    r = Reader(body)
+    if kind == Op.HELLO:
+        req = Request(kind, pid=r.u32("pid"))
+    elif kind in (Op.LOOKUP, Op.OPEN_READ):
+        req = Request(kind, keys=r.keys())
+    elif kind == Op.OPEN_WRITE:
+        nbytes = r.u64("nbytes")
+        if nbytes < 1 or nbytes >= 1 << 62:
+            raise ProtocolError(f"object size {nbytes} out of range")
+        req = Request(kind, nbytes=nbytes, keys=r.keys())
+    elif kind == Op.FINISH_WRITE:
+        handle = r.u64("handle")
+        n = r.u32("flag count")
+        if n > MAX_KEYS:
+            raise ProtocolError(f"flag count {n} above the limit {MAX_KEYS}")
+        flags = r.array(np.uint8, n, "ok flags")
+        if n and int(flags.max()) > 1:
+            raise ProtocolError("ok flags must be 0 or 1")
+        req = Request(kind, handle=handle, flags=flags.astype(bool))
+    elif kind == Op.CLOSE_READ:
+        req = Request(kind, handle=r.u64("handle"))
+    else:
+        req = Request(kind)
+    r.end()
+    return req
+
+
+# -- bodies: one encoder per request, one decoder per reply (used by the client) --------------
+
+
+def hello_body(pid: int) -> bytes:
+    return _U32.pack(pid & 0xFFFFFFFF)
+
+
+def hello_reply(hello: Hello) -> bytes:
+    return _HELLO.pack(hello.capacity, hello.instance, hello.lease_ttl_ms)
+
+
+def parse_hello(body: bytes) -> Hello:
+    r = Reader(body)
+    capacity, instance, ttl = _HELLO.unpack(r.take(_HELLO.size, "hello"))
+    r.end()
+    return Hello(capacity, instance, ttl)
+
+
+def open_write_body(keys: tuple[str, ...], nbytes: int) -> bytes:
+    return _U64.pack(nbytes) + encode_keys(keys)
+
+
+def finish_write_body(handle: int, ok: np.ndarray) -> bytes:
+    return _HANDLE_N.pack(handle, len(ok)) + np.asarray(ok, dtype=np.uint8).tobytes()
+
+
+def handle_body(handle: int) -> bytes:
+    return _U64.pack(handle)
+
+
+def flags_reply(found: np.ndarray) -> bytes:
+    return _U32.pack(len(found)) + np.asarray(found, dtype=np.uint8).tobytes()
+
+
+def parse_flags(body: bytes, n: int) -> np.ndarray:
+    r = Reader(body)
+    if r.u32("count") != n:
+        raise ProtocolError(f"reply for a different number of keys (expected {n})")
+    out = r.array(np.uint8, n, "flags")
+    r.end()
+    return out
+
+
+def session_reply(handle: int, offsets: np.ndarray, sizes: np.ndarray, flags: np.ndarray) -> bytes:
+    n = len(offsets)
+    return (
+        _HANDLE_N.pack(handle, n)
+        + np.asarray(offsets, dtype="<i8").tobytes()
+        + np.asarray(sizes, dtype="<i8").tobytes()
+        + np.asarray(flags, dtype=np.uint8).tobytes()
+    )
+
+
+def parse_session(body: bytes, n: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(handle, offsets, sizes, flags) of a session reply for ``n`` keys."""
+    r = Reader(body)
+    handle, count = _HANDLE_N.unpack(r.take(_HANDLE_N.size, "session"))
+    if count != n:
+        raise ProtocolError(f"reply for {count} keys, expected {n}")
+    offsets = r.array(np.dtype("<i8").type, n, "offsets").astype(np.int64)
+    sizes = r.array(np.dtype("<i8").type, n, "sizes").astype(np.int64)
+    flags = r.array(np.uint8, n, "flags")
+    r.end()
+    return int(handle), offsets, sizes, flags
+
+
+def stats_reply(values: dict[str, int]) -> bytes:
+    nums = np.array([values[name] for name in STATS_FIELDS], dtype="<u8")
+    return _U32.pack(len(nums)) + nums.tobytes()
+
+
+def parse_stats(body: bytes) -> dict[str, int]:
+    r = Reader(body)
+    n = r.u32("count")
+    if n > 4096:
+        raise ProtocolError(f"{n} stats fields")
+    nums = r.array(np.dtype("<u8").type, n, "stats")
+    r.end()
+    return {name: int(v) for name, v in zip(STATS_FIELDS, nums.tolist(), strict=False)}

@@ -1,0 +1,473 @@
+"""PoolServer: the node-local pool. It owns the arena and its index; clients copy the bytes.
+
+The arena is a sealed-size memfd (mode 0600, never a named file) whose memory is allocated at
+start (``posix_fallocate``), so a client's copy can never fault on a full tmpfs. Clients receive
+its file descriptor once, in the HELLO reply (SCM_RIGHTS), map it, and from then on send only
+metadata: lookup, open for write or read, commit or abort, release.
+
+Semantics are those of LocalStore (``ArenaIndex``: two-phase writes, read leases, LRU eviction of
+committed, unleased objects), plus ownership: every session belongs to the connection that
+opened it and is released when that connection closes, for whatever reason (close, crash,
+SIGKILL). Read leases also expire after ``lease_ttl_s``; a client that later closes such a
+session is told EXPIRED. Pending writes never expire while their client lives: their slots may
+still be being written.
+
+Concurrency: one thread accepts, one thread serves each connection (blocking reads of one frame
+at a time), one thread expires leases; the index is guarded by one lock held for the few
+microseconds a request takes. A malformed or oversized message, or a peer of another uid, closes
+that connection only, with a logged reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from kvflow.config import _positive_float, parse_size
+from kvflow.errors import ConfigError, InvalidArgumentError, PoolRunningError, ProtocolError
+from kvflow.pool import protocol as p
+from kvflow.pool.paths import check_socket_path, default_socket, ensure_private_directory, sibling
+from kvflow.stores.arena import SLOT_ALIGN, ArenaIndex
+from kvflow.stores.base import WriteStatus
+
+__all__ = ["DEFAULT_LEASE_TTL_S", "PoolConfig", "PoolServer"]
+
+log = logging.getLogger("kvflow.pool")
+
+DEFAULT_CAPACITY = "1GiB"
+DEFAULT_LEASE_TTL_S = 300.0
+DEFAULT_MAX_CLIENTS = 256
+_BODY_TIMEOUT_S = 10.0  # once a header arrived, its body must follow within this
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How a pool server is set up.
+
+    Fields:
+        socket: the Unix socket path (default: ``kvflow.pool.paths.default_socket()``).
+        capacity: arena bytes (accepts "8GiB"); allocated at start.
+        lease_ttl_s: a read lease is released after this long even if its client lives on.
+            It must exceed the longest load; it only guards against clients that leak leases.
+        allow_uids: peers of these uids are accepted besides the server's own uid.
+        socket_mode: permission bits of the socket file.
+        max_clients: connections served at once; more are refused.
+    """
+
+    socket: str = ""
+    capacity: int | str = DEFAULT_CAPACITY
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    allow_uids: tuple[int, ...] = ()
+    socket_mode: int = 0o600
+    max_clients: int = DEFAULT_MAX_CLIENTS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "socket", check_socket_path(self.socket or default_socket()))
+        size = parse_size(self.capacity, argument="capacity")
+        if size < SLOT_ALIGN:
+            raise ConfigError("capacity", self.capacity, f"must be at least {SLOT_ALIGN} bytes")
+        object.__setattr__(self, "capacity", size)
+        _positive_float("lease_ttl_s", self.lease_ttl_s)
+        uids = tuple(self.allow_uids)
+        if any(isinstance(u, bool) or not isinstance(u, int) or u < 0 for u in uids):
+            raise ConfigError("allow_uids", self.allow_uids, "must be user ids (integers >= 0)")
+        object.__setattr__(self, "allow_uids", uids)
+        mode = self.socket_mode
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 < mode <= 0o777:
+            raise ConfigError("socket_mode", mode, "must be permission bits such as 0o600")
+        mc = self.max_clients
+        if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+            raise ConfigError("max_clients", mc, "must be an integer >= 1")
+
+    @property
+    def size(self) -> int:
+        return int(self.capacity)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PoolConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError("config", unknown, f"unknown keys; known keys are {sorted(known)}")
+        return cls(**values)
+
+
+@dataclass(eq=False)
+class _Client:
+    sock: socket.socket
+    pid: int
+    uid: int
+    sessions: set[int] = field(default_factory=set)  # handles this connection opened
+    expired: set[int] = field(default_factory=set)  # its read sessions the reaper released
+
+
+class PoolServer:
+    """Serve one arena on ``config.socket``. ``start()`` returns once clients can connect.
+
+    Raises PoolRunningError if another server holds the socket path. ``stop()`` closes every
+    connection, removes the socket and frees the arena (clients that mapped it keep their
+    mapping until they notice and reconnect).
+    """
+
+    def __init__(self, config: PoolConfig | None = None) -> None:
+        self.config = config or PoolConfig()
+        self.instance = secrets.randbits(63)
+        self._index = ArenaIndex(self.config.size)
+        self._lock = threading.Lock()
+        self._clients: set[_Client] = set()
+        self._deadlines: dict[int, float] = {}  # read handle -> monotonic expiry
+        self._owner: dict[int, _Client] = {}  # read handle -> its connection
+        self._counters = dict.fromkeys(
+            ("expired_leases", "clients_total", "released_on_disconnect", "refused_peers"), 0
+        )
+        self._counters.update(bad_messages=0, requests=0)
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        self._lock_fd = -1
+        self._arena_fd = -1
+
+    @property
+    def socket_path(self) -> str:
+        return self.config.socket
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        path = self.config.socket
+        ensure_private_directory(os.path.dirname(path))
+        self._lock_fd = _take_lock(sibling(path, ".lock"))
+        try:
+            self._arena_fd = _make_arena(self.config.size)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a dead server's socket: we hold the lock, so it is stale
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)
+            try:
+                listener.bind(path)
+            finally:
+                os.umask(old)
+            os.chmod(path, self.config.socket_mode)
+            listener.listen(128)
+            _write_private(sibling(path, ".pid"), f"{os.getpid()}\n")
+        except BaseException:
+            self._release_files()
+            raise
+        self._listener = listener
+        self._spawn(self._accept_loop, "kvflow-pool-accept")
+        self._spawn(self._reap_loop, "kvflow-pool-leases")
+        log.info(
+            "kvflow pool: serving %d bytes on %s (lease limit %g s)",
+            self.config.size,
+            path,
+            self.config.lease_ttl_s,
+        )
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until ``stop()``; True if stopped."""
+        return self._stopped.wait(timeout)
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            clients = list(self._clients)
+        for client in clients:
+            with contextlib.suppress(OSError):
+                client.sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
+        self._release_files()
+        log.info("kvflow pool: stopped")
+
+    def __enter__(self) -> PoolServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            u = self._index.usage()
+            values = {name: getattr(u, name) for name in p.STATS_FIELDS if hasattr(u, name)}
+            values.update(self._counters, clients=len(self._clients))
+        return values
+
+    # -- threads ------------------------------------------------------------------------------
+
+    def _spawn(self, target: Any, name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopped.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._stopped.is_set():
+                    return
+                time.sleep(0.01)  # e.g. EMFILE: do not spin
+                continue
+            self._spawn(self._serve, "kvflow-pool-client", sock)
+
+    def _reap_loop(self) -> None:
+        interval = min(1.0, self.config.lease_ttl_s / 4)
+        while not self._stopped.wait(interval):
+            now = time.monotonic()
+            with self._lock:
+                for handle in [h for h, t in self._deadlines.items() if t <= now]:
+                    client = self._owner.pop(handle)
+                    del self._deadlines[handle]
+                    self._index.close_read(handle)
+                    client.sessions.discard(handle)
+                    client.expired.add(handle)
+                    self._counters["expired_leases"] += 1
+                    log.warning(
+                        "kvflow pool: a lease of client pid %d ran past %g s and was released",
+                        client.pid,
+                        self.config.lease_ttl_s,
+                    )
+
+    def _serve(self, sock: socket.socket) -> None:
+        client = self._admit(sock)
+        if client is None:
+            sock.close()
+            return
+        try:
+            self._converse(client)
+        except (OSError, ProtocolError) as exc:
+            if not self._stopped.is_set():
+                log.warning("kvflow pool: closing client pid %d: %s", client.pid, exc)
+        except Exception:  # a bug must cost this connection only, never the server
+            log.exception("kvflow pool: internal error serving pid %d; closing it", client.pid)
+        finally:
+            self._disconnect(client)
+
+    def _admit(self, sock: socket.socket) -> _Client | None:
+        try:
+            pid, uid, _ = _PEERCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+        except OSError as exc:
+            log.warning("kvflow pool: refusing a peer without credentials: %s", exc)
+            return None
+        with self._lock:
+            if uid != os.getuid() and uid not in self.config.allow_uids:
+                self._counters["refused_peers"] += 1
+                log.warning("kvflow pool: refusing pid %d of uid %d (not allowed)", pid, uid)
+                return None
+            if len(self._clients) >= self.config.max_clients:
+                self._counters["refused_peers"] += 1
+                log.warning(
+                    "kvflow pool: refusing pid %d: %d clients already", pid, len(self._clients)
+                )
+                return None
+            client = _Client(sock, pid, uid)
+            self._clients.add(client)
+            self._counters["clients_total"] += 1
+        return client
+
+    def _disconnect(self, client: _Client) -> None:
+        self._release_sessions(client)
+        with self._lock:
+            self._clients.discard(client)
+        client.sock.close()
+
+    def _release_sessions(self, client: _Client) -> None:
+        with self._lock:
+            released = len(client.sessions)
+            for handle in client.sessions:
+                self._end_session(handle)
+            client.sessions.clear()
+            self._counters["released_on_disconnect"] += released
+        if released:
+            log.info("kvflow pool: client pid %d left; %d sessions released", client.pid, released)
+
+    def _end_session(self, handle: int) -> None:
+        if handle in self._deadlines:
+            del self._deadlines[handle]
+            del self._owner[handle]
+            self._index.close_read(handle)
+        else:
+            self._index.finish_write(handle, np.zeros(0, dtype=bool))
+
+    # -- one connection -----------------------------------------------------------------------
+
+    def _converse(self, client: _Client) -> None:
+        sock = client.sock
+        greeted = False
+        while True:
+            sock.settimeout(None)
+            header = _recv_exact(sock, p.HEADER.size)
+            if header is None:
+                return
+            length, version, op, _, rid = p.HEADER.unpack(header)
+            if version != p.VERSION:
+                sock.sendall(
+                    p.frame(p.Code.VERSION_MISMATCH, rid, _reason(f"server speaks {p.VERSION}"))
+                )
+                raise ProtocolError(f"protocol version {version}, expected {p.VERSION}")
+            if length > p.MAX_BODY:
+                self._bad()
+                raise ProtocolError(f"a {length}-byte message (limit {p.MAX_BODY})")
+            sock.settimeout(_BODY_TIMEOUT_S)
+            body = _recv_exact(sock, length)
+            if body is None:
+                raise ProtocolError("connection closed inside a message")
+            try:
+                request = p.decode_request(op, body)
+                if (request.op == p.Op.HELLO) == greeted:
+                    raise ProtocolError("HELLO must come first, and once")
+            except ProtocolError as exc:
+                self._bad()
+                with contextlib.suppress(OSError):
+                    sock.sendall(p.frame(p.Code.BAD_REQUEST, rid, _reason(str(exc))))
+                raise
+            if request.op == p.Op.HELLO:
+                greeted = True
+                client.pid = request.pid or client.pid
+                body = p.hello_reply(
+                    p.Hello(self.config.size, self.instance, int(self.config.lease_ttl_s * 1000))
+                )
+                socket.send_fds(sock, [p.frame(p.Code.OK, rid, body)], [self._arena_fd])
+                continue
+            if request.op == p.Op.BYE:
+                self._release_sessions(client)
+                sock.sendall(p.frame(p.Code.OK, rid))
+                return
+            code, reply = self.handle(client, request)
+            sock.sendall(p.frame(code, rid, reply))
+
+    def handle(self, client: _Client, request: p.Request) -> tuple[p.Code, bytes]:
+        """Apply one decoded request for ``client``; returns the reply's code and body."""
+        with self._lock:
+            self._counters["requests"] += 1
+            try:
+                return self._apply(client, request)
+            except InvalidArgumentError as exc:
+                return p.Code.INVALID_ARGUMENT, _reason(str(exc))
+
+    def _apply(self, client: _Client, req: p.Request) -> tuple[p.Code, bytes]:
+        index = self._index
+        if req.op == p.Op.LOOKUP:
+            return p.Code.OK, p.flags_reply(index.lookup(req.keys))
+        if req.op == p.Op.OPEN_WRITE:
+            handle, offsets, status = index.open_write(req.keys, req.nbytes)
+            client.sessions.add(handle)
+            sizes = np.where(status == WriteStatus.GRANTED, req.nbytes, 0)
+            return p.Code.OK, p.session_reply(handle, offsets, sizes, status)
+        if req.op == p.Op.OPEN_READ:
+            handle, offsets, found, sizes = index.open_read(req.keys)
+            client.sessions.add(handle)
+            self._deadlines[handle] = time.monotonic() + self.config.lease_ttl_s
+            self._owner[handle] = client
+            return p.Code.OK, p.session_reply(handle, offsets, sizes, found)
+        if req.op == p.Op.FINISH_WRITE:
+            if req.handle not in client.sessions or req.handle in self._deadlines:
+                return p.Code.UNKNOWN_SESSION, b""
+            assert req.flags is not None
+            index.finish_write(req.handle, req.flags)
+            client.sessions.discard(req.handle)
+            return p.Code.OK, b""
+        if req.op == p.Op.CLOSE_READ:
+            if req.handle in client.expired:
+                client.expired.discard(req.handle)
+                return p.Code.EXPIRED, b""
+            if req.handle not in client.sessions or req.handle not in self._deadlines:
+                return p.Code.UNKNOWN_SESSION, b""
+            self._end_session(req.handle)
+            client.sessions.discard(req.handle)
+            return p.Code.OK, b""
+        if req.op == p.Op.STATS:
+            u = index.usage()
+            values = {name: getattr(u, name) for name in p.STATS_FIELDS if hasattr(u, name)}
+            values.update(self._counters, clients=len(self._clients))
+            return p.Code.OK, p.stats_reply(values)
+        raise ProtocolError(f"op {req.op!r} is not served here")
+
+    def _bad(self) -> None:
+        with self._lock:
+            self._counters["bad_messages"] += 1
+
+    def _release_files(self) -> None:
+        path = self.config.socket
+        if self._listener is not None:
+            for stale in (path, sibling(path, ".pid")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
+        if self._arena_fd >= 0:
+            os.close(self._arena_fd)
+            self._arena_fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock: another server may start
+            self._lock_fd = -1
+
+
+def _reason(text: str) -> bytes:
+    return text.encode("utf-8", "replace")[:1024]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None if the peer closed before the first byte."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return None
+            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def _write_private(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _take_lock(path: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise PoolRunningError(path.removesuffix(".lock")) from None
+    return fd
+
+
+def _make_arena(size: int) -> int:
+    """A memfd of ``size`` bytes, mode 0600, its memory allocated now."""
+    fd = os.memfd_create("kvflow-pool", os.MFD_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError("capacity", size, f"cannot allocate the arena: {exc}") from exc
+    return fd

@@ -1,0 +1,455 @@
+"""SharedStore: a client of the node-local pool server (``kvflow serve``).
+
+Metadata goes over the server's Unix socket, one request per store call (so a few round trips
+per request batch, never per layer). Bytes never do: the client maps the server's arena and
+``batch_copy`` copies directly between it and local memory, with the same copy loop as
+LocalStore.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from kvflow.config import _positive_float, parse_size
+from kvflow.errors import (
+    ClosedError,
+    ConfigError,
+    InvalidArgumentError,
+    KVFlowError,
+    StoreError,
+    StoreUnavailableError,
+)
+from kvflow.pool import protocol as p
+from kvflow.pool.client import PoolConnection
+from kvflow.pool.launch import spawn_server, wait_until_serving
+from kvflow.pool.paths import check_socket_path, default_socket
+from kvflow.pool.server import DEFAULT_CAPACITY, DEFAULT_LEASE_TTL_S, PoolConfig
+from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
+from kvflow.stores.copyloop import NATIVE, copy_ranges
+from kvflow.stores.regions import LocalRegions, check_copy_arrays, inside_spans
+
+__all__ = ["SharedStore", "SharedStoreConfig"]
+
+log = logging.getLogger("kvflow")
+
+_LEASE_MARGIN = 0.1  # a lease counts as lost this share of its time limit before the server's
+_DRAIN_TIMEOUT_S = 5.0  # how long a dropped connection waits for copies still running
+
+
+@dataclass(frozen=True)
+class SharedStoreConfig:
+    """How a SharedStore reaches its server.
+
+    Fields:
+        socket: the server's socket (default: ``$KVFLOW_POOL_SOCKET`` or
+            ``/dev/shm/kvflow-<uid>/pool.sock``).
+        timeout_s: each request (and the connect) may take this long; then the pool counts as
+            down until it answers again.
+        retry_interval_s: after a failed connect, calls fail at once (store down) for this long
+            before the next attempt.
+        auto_start: start a server if none listens (many clients may race: one server wins).
+        capacity, lease_ttl_s: the settings of a server this client starts.
+        start_timeout_s: how long to wait for a server this client started.
+        populate: map the whole arena into this process at connect (slower connect, no page
+            faults on first copies).
+    """
+
+    socket: str = ""
+    timeout_s: float = 5.0
+    retry_interval_s: float = 0.5
+    auto_start: bool = False
+    capacity: int | str = DEFAULT_CAPACITY
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    start_timeout_s: float = 60.0
+    populate: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "socket", check_socket_path(self.socket or default_socket()))
+        for name in ("timeout_s", "retry_interval_s", "lease_ttl_s", "start_timeout_s"):
+            _positive_float(name, getattr(self, name))
+        object.__setattr__(self, "capacity", parse_size(self.capacity, argument="capacity"))
+        for name in ("auto_start", "populate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "must be true or false")
+
+    def server_config(self) -> PoolConfig:
+        return PoolConfig(socket=self.socket, capacity=self.capacity, lease_ttl_s=self.lease_ttl_s)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SharedStoreConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError("config", unknown, f"unknown keys; known keys are {sorted(known)}")
+        return cls(**values)
+
+
+@dataclass(eq=False)
+class _Session:
+    conn: PoolConnection
+    server_handle: int
+    writing: bool
+    starts: np.ndarray  # absolute pool addresses of the session's objects
+    ends: np.ndarray
+    deadline: float  # read sessions: when their leases stop counting (monotonic)
+
+
+class SharedStore(Store):
+    """A store whose pool lives in a ``kvflow serve`` process on this machine.
+
+    ``SharedStore()`` connects to the default socket; ``SharedStore(socket=..., auto_start=True,
+    capacity="8GiB")`` starts a server if none runs. The first connect happens at construction;
+    if it fails the store starts out down and keeps retrying (``retry_interval_s``).
+
+    When the server is down or stops answering, metadata calls raise StoreUnavailableError (the
+    engine turns that into misses and skipped saves) and copies for sessions of the lost
+    connection fail; the next call after ``retry_interval_s`` reconnects, to a restarted server
+    too. A copy only ever touches pool memory this client holds: its granted write slots, or
+    objects under a live read lease (checked against the lease's time limit before and after
+    the copy), so a lost lease can never pass torn bytes off as loaded.
+
+    Concurrency: every method is thread-safe. Metadata calls share one connection and take one
+    lock (a round trip each); ``batch_copy`` takes no lock across the copy and runs on several
+    threads at once, without the GIL. ``close()`` closes the connection (the server releases
+    this client's sessions) after copies in flight have finished.
+    """
+
+    inline_metadata = False
+
+    def __init__(self, config: SharedStoreConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise InvalidArgumentError("options", sorted(options), "give a config or options")
+        self.config = config or SharedStoreConfig(**options)
+        self._native_copy = NATIVE
+        self._regions = LocalRegions()
+        self._lock = threading.RLock()  # metadata: one request at a time, connection changes
+        self._cond = threading.Condition(threading.Lock())  # copies: spans, in-flight count
+        self._conn: PoolConnection | None = None
+        self._sessions: dict[int, _Session] = {}
+        self._next_handle = 1
+        self._write_spans = _Spans()
+        self._read_spans = _Spans()
+        self._in_flight = 0
+        self._retry_at = 0.0
+        self._closed = False
+        self.reconnects = 0
+        try:
+            with self._lock:
+                self._connected()
+        except StoreUnavailableError as exc:
+            log.warning("kvflow: shared pool unavailable for now: %s", exc)
+
+    @property
+    def socket_path(self) -> str:
+        return self.config.socket
+
+    # -- the Store interface ------------------------------------------------------------------
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        self._regions.register(regions)
+
+    def lookup(self, keys: Sequence[str]) -> np.ndarray:
+        keys = tuple(keys)
+        with self._lock:
+            code, body = self._call(p.Op.LOOKUP, p.encode_keys(keys))
+            self._expect_ok(code, body, "lookup")
+            return p.parse_flags(body, len(keys)).astype(bool)
+
+    def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession:
+        keys = tuple(keys)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
+            raise InvalidArgumentError("nbytes", nbytes, "must be an integer >= 1")
+        with self._lock:
+            conn = self._connected()
+            code, body = self._call(p.Op.OPEN_WRITE, p.open_write_body(keys, int(nbytes)))
+            self._expect_ok(code, body, "open_write")
+            handle, offsets, sizes, status = p.parse_session(body, len(keys))
+            granted = status == WriteStatus.GRANTED
+            addrs = np.where(granted, offsets + conn.base, 0)
+            local = self._add(
+                _Session(conn, handle, True, addrs[granted], addrs[granted] + sizes[granted], 0.0)
+            )
+        return WriteSession(local, keys, addrs, status.astype(np.int8))
+
+    def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
+        ok = np.asarray(ok, dtype=bool)
+        if ok.shape != (len(session.keys),):
+            raise InvalidArgumentError("ok", ok.shape, f"expected {len(session.keys)} flags")
+        with self._lock:
+            s = self._pop(session.handle)
+            if s is None:
+                return
+            code, _ = self._end(s, p.Op.FINISH_WRITE, p.finish_write_body(s.server_handle, ok))
+            if code != p.Code.OK:
+                raise StoreError(f"finish_write: the pool did not commit ({code.name})", int(code))
+
+    def open_read(self, keys: Sequence[str]) -> ReadSession:
+        keys = tuple(keys)
+        with self._lock:
+            conn = self._connected()
+            sent = time.monotonic()
+            code, body = self._call(p.Op.OPEN_READ, p.encode_keys(keys))
+            self._expect_ok(code, body, "open_read")
+            handle, offsets, sizes, found = p.parse_session(body, len(keys))
+            found = found.astype(bool)
+            addrs = np.where(found, offsets + conn.base, 0)
+            ttl = conn.hello.lease_ttl_ms / 1000
+            deadline = sent + ttl * (1 - _LEASE_MARGIN)
+            local = self._add(
+                _Session(conn, handle, False, addrs[found], addrs[found] + sizes[found], deadline)
+            )
+        return ReadSession(local, keys, addrs, found)
+
+    def close_read(self, session: ReadSession) -> None:
+        with self._lock:
+            s = self._pop(session.handle)
+            if s is None:
+                return
+            code, _ = self._end(s, p.Op.CLOSE_READ, p.handle_body(s.server_handle))
+            if code == p.Code.EXPIRED:
+                raise StoreError(
+                    "close_read: the leases ran past their time limit", int(p.Code.EXPIRED)
+                )
+            if code != p.Code.OK:
+                raise StoreError(f"close_read: the pool lost the leases ({code.name})", int(code))
+
+    def batch_copy(
+        self,
+        pool_addrs: np.ndarray,
+        local_addrs: np.ndarray,
+        sizes: np.ndarray,
+        direction: Direction,
+    ) -> np.ndarray:
+        check_copy_arrays(pool_addrs, local_addrs, sizes)
+        if direction not in (Direction.TO_POOL, Direction.FROM_POOL):
+            raise InvalidArgumentError("direction", direction, "expected a Direction")
+        self._regions.check(local_addrs, sizes)
+        reading = direction == Direction.FROM_POOL
+        with self._cond:
+            conn = self._conn
+            if self._closed:
+                raise ClosedError("SharedStore")
+            if conn is None:
+                raise StoreUnavailableError("the pool server is not connected")
+            lo, hi = conn.base, conn.base + conn.capacity
+            outside = ~inside_spans(np.array([lo]), np.array([hi]), pool_addrs, sizes)
+            if outside.any():
+                bad = hex(int(pool_addrs[outside][0]))
+                raise InvalidArgumentError("pool_addrs", bad, "outside the pool's arena")
+            held = self._held(pool_addrs, sizes, reading)
+            self._in_flight += 1
+        gone = conn.peer_gone()
+        try:
+            if gone:
+                held[:] = False
+            elif held.all():
+                dst, src = (local_addrs, pool_addrs) if reading else (pool_addrs, local_addrs)
+                copy_ranges(dst, src, sizes, native=self._native_copy)
+            elif held.any():
+                keep = held
+                dst, src = (local_addrs, pool_addrs) if reading else (pool_addrs, local_addrs)
+                copy_ranges(dst[keep], src[keep], sizes[keep], native=self._native_copy)
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if reading and held.any():  # the lease must still hold now that the bytes are in
+                    held &= self._conn is conn
+                    held &= self._held(pool_addrs, sizes, reading)
+                self._cond.notify_all()
+        failed: np.ndarray = np.flatnonzero(~held)
+        return failed
+
+    def _held(self, pool: np.ndarray, sizes: np.ndarray, reading: bool) -> np.ndarray:
+        """Per range: inside this client's own write slots, or (reading) a live lease."""
+        held = self._write_spans.cover(pool, sizes, None)
+        if reading and not held.all():
+            held |= self._read_spans.cover(pool, sizes, time.monotonic())
+        return held
+
+    def usage(self) -> StoreUsage:
+        stats = self.server_stats()
+        return StoreUsage(**{f.name: stats[f.name] for f in fields(StoreUsage)})
+
+    def server_stats(self) -> dict[str, int]:
+        """Every counter the server keeps (``kvflow.pool.protocol.STATS_FIELDS``). After
+        ``close()`` this asks over a connection of its own."""
+        with self._lock:
+            if not self._closed:
+                code, body = self._call(p.Op.STATS)
+            else:
+                once = PoolConnection(self.config.socket, self.config.timeout_s)
+                try:
+                    code, body = once.request(p.Op.STATS)
+                finally:
+                    once.goodbye()
+                    once.unmap()
+            self._expect_ok(code, body, "stats")
+            return p.parse_stats(body)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._conn is not None:
+                self._drop(self._conn, "closed")
+            self._sessions.clear()
+
+    def __repr__(self) -> str:
+        conn = self._conn
+        return (
+            f"SharedStore(socket={self.config.socket!r}, connected={conn is not None}, "
+            f"sessions={len(self._sessions)}, in_flight={self._in_flight}, "
+            f"reconnects={self.reconnects}, closed={self._closed})"
+        )
+
+    # -- the connection -----------------------------------------------------------------------
+
+    def _connected(self) -> PoolConnection:
+        """The live connection, reconnecting (or starting a server) when due. Holds _lock."""
+        if self._closed:
+            raise ClosedError("SharedStore")
+        conn = self._conn
+        if conn is not None and conn.peer_gone():
+            self._drop(conn, "the pool server closed the connection")
+            conn = None
+        if conn is not None:
+            return conn
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise StoreUnavailableError(f"the pool on {self.config.socket} is down; retrying soon")
+        try:
+            conn = self._connect()
+        except KVFlowError:
+            self._retry_at = time.monotonic() + self.config.retry_interval_s
+            raise
+        with self._cond:
+            self._conn = conn
+        return conn
+
+    def _connect(self) -> PoolConnection:
+        cfg = self.config
+        try:
+            conn = PoolConnection(cfg.socket, cfg.timeout_s, populate=cfg.populate)
+        except StoreUnavailableError:
+            if not cfg.auto_start:
+                raise
+            proc = spawn_server(cfg.server_config())
+            wait_until_serving(cfg.socket, cfg.start_timeout_s, proc)
+            conn = PoolConnection(cfg.socket, cfg.timeout_s, populate=cfg.populate)
+        if self._sessions or self.reconnects or self._retry_at:
+            log.info("kvflow: connected to the pool on %s", cfg.socket)
+        self.reconnects += 1
+        return conn
+
+    def _call(self, op: p.Op, body: bytes = b"") -> tuple[p.Code, bytes]:
+        conn = self._connected()
+        try:
+            return conn.request(op, body)
+        except KVFlowError as exc:
+            self._drop(conn, str(exc))
+            raise StoreUnavailableError(f"the pool on {self.config.socket} is down: {exc}") from exc
+
+    def _drop(self, conn: PoolConnection, why: str) -> None:
+        """Forget a connection: no new copy may use it, copies in flight finish, then the
+        socket closes (the server releases its sessions) and the arena is unmapped."""
+        with self._cond:
+            if self._conn is conn:
+                self._conn = None
+            self._write_spans.drop(conn)
+            self._read_spans.drop(conn)
+            drained = self._cond.wait_for(lambda: self._in_flight == 0, _DRAIN_TIMEOUT_S)
+        conn.goodbye() if self._closed else conn.close()
+        if drained:
+            conn.unmap()
+        else:  # a copy still runs: leave the mapping (memory) rather than fault under it
+            log.error(
+                "kvflow: copies still running after %g s; the old arena stays mapped",
+                _DRAIN_TIMEOUT_S,
+            )
+        if not self._closed:
+            log.warning("kvflow: shared pool connection lost: %s", why)
+            self._retry_at = 0.0
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def _add(self, session: _Session) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
+        self._sessions[handle] = session
+        with self._cond:
+            (self._write_spans if session.writing else self._read_spans).add(handle, session)
+        return handle
+
+    def _pop(self, handle: int) -> _Session | None:
+        """Remove a session; None after close() (a no-op then). Raises for an unknown one."""
+        session = self._sessions.pop(handle, None)
+        if session is None:
+            if self._closed:
+                return None
+            raise InvalidArgumentError("session", handle, "unknown or already finished session")
+        with self._cond:
+            (self._write_spans if session.writing else self._read_spans).remove(handle)
+        return session
+
+    def _end(self, s: _Session, op: p.Op, body: bytes) -> tuple[p.Code, bytes]:
+        if s.conn is not self._conn or s.conn.broken:
+            raise StoreUnavailableError("the pool server went away; the session was released")
+        return self._call(op, body)
+
+    @staticmethod
+    def _expect_ok(code: p.Code, body: bytes, what: str) -> None:
+        if code == p.Code.INVALID_ARGUMENT:
+            raise InvalidArgumentError(what, body.decode("utf-8", "replace"), "refused by the pool")
+        if code != p.Code.OK:
+            raise StoreError(
+                f"{what}: pool replied {code.name}: {body.decode('utf-8', 'replace')}", int(code)
+            )
+
+
+class _Spans:
+    """The pool memory a client's open sessions hold, as sorted arrays for vectorised checks."""
+
+    def __init__(self) -> None:
+        self._by_handle: dict[int, _Session] = {}
+        self._starts = self._ends = np.zeros(0, dtype=np.int64)
+        self._deadlines_f = np.zeros(0)
+
+    def add(self, handle: int, session: _Session) -> None:
+        self._by_handle[handle] = session
+        self._rebuild()
+
+    def remove(self, handle: int) -> None:
+        if self._by_handle.pop(handle, None) is not None:
+            self._rebuild()
+
+    def drop(self, conn: PoolConnection) -> None:
+        self._by_handle = {h: s for h, s in self._by_handle.items() if s.conn is not conn}
+        self._rebuild()
+
+    def cover(self, addrs: np.ndarray, sizes: np.ndarray, now: float | None) -> np.ndarray:
+        """Per range: inside one held object (and, for leases, before the deadline)."""
+        inside = inside_spans(self._starts, self._ends, addrs, sizes)
+        if now is not None and inside.any():
+            idx = np.searchsorted(self._starts, addrs, side="right") - 1
+            inside &= self._deadlines_f[np.maximum(idx, 0)] > now
+        return inside
+
+    def _rebuild(self) -> None:
+        sessions = list(self._by_handle.values())
+        if not sessions:
+            self._starts = self._ends = np.zeros(0, dtype=np.int64)
+            self._deadlines_f = np.zeros(0)
+            return
+        starts = np.concatenate([s.starts for s in sessions])
+        ends = np.concatenate([s.ends for s in sessions])
+        deadlines = np.concatenate([np.full(s.starts.size, s.deadline) for s in sessions])
+        order = np.lexsort((deadlines, starts))  # a key leased twice: the later deadline last
+        self._starts, self._ends, self._deadlines_f = starts[order], ends[order], deadlines[order]
