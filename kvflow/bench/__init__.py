@@ -13,6 +13,7 @@ SCENARIOS: dict[str, str] = {
     "addrgen": "kvflow.bench.addrgen",
     "metadata": "kvflow.bench.metadata",
     "overhead": "kvflow.bench.overhead",
+    "pool": "kvflow.bench.pool",
 }
 
 __all__ = ["SCENARIOS"]

@@ -28,6 +28,7 @@ import torch
 from kvflow.bench.common import figure, save
 from kvflow.bench.model import ModelShape, PagedModel
 from kvflow.bench.report import Report
+from kvflow.bench.stores import STORE_KINDS, bench_store
 from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.pipeline.sync import SyncTransferEngine
@@ -75,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per mode (median reported)")
     p.add_argument("--compute-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--store", default="local", choices=STORE_KINDS, help="the pool to load from")
 
 
 def _apply_quick(args: argparse.Namespace) -> None:
@@ -113,10 +115,8 @@ class _Bench:
         self.load_blocks = torch.arange(n_all, n_all + n_pre)
         self.all_pos = torch.arange(total)
         self.new_pos = torch.arange(prefix, total)
-        nbytes = shape.kv_bytes_per_token_layer * prefix * shape.layers
-        self.store = InstrumentedStore(
-            LocalStore(nbytes + (64 << 20), prefault=True), record_copies=True
-        )
+        self.pool_bytes = shape.kv_bytes_per_token_layer * prefix * shape.layers + (64 << 20)
+        self.store = InstrumentedStore(LocalStore(4096))  # replaced by run()'s pool
 
     def forward(
         self,
@@ -236,6 +236,20 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         f"({bench.prefix / bench.total:.1%}), {bench.total - bench.prefix} computed; "
         f"KV {shape.kv_bytes_per_token_layer * bench.prefix / 2**20:.1f} MiB per layer"
     )
+    with bench_store(args.store, bench.pool_bytes) as pool:
+        bench.store = InstrumentedStore(pool, record_copies=True)
+        return _measure(args, report, bench, shape, copy_cpu, compute_cpus, variants)
+
+
+def _measure(
+    args: argparse.Namespace,
+    report: Report,
+    bench: _Bench,
+    shape: ModelShape,
+    copy_cpu: int | None,
+    compute_cpus: set[int] | None,
+    variants: list[tuple[bool, int]],
+) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     variant_runs: dict[tuple[bool, int], list[float]] = {}
     n_steps = 1 + args.repeats
@@ -275,7 +289,6 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         finally:
             for engine in engines.values():
                 engine.close()
-        bench.store.close()
     return _summarise(args, bench, shape, runs, variant_runs, variants, report)
 
 
@@ -324,6 +337,7 @@ def _summarise(
             "prompt_tokens": bench.total,
             "prefix_tokens": bench.prefix,
             "hit_rate": bench.prefix / bench.total,
+            "store": args.store,
             "chunk_blocks": args.chunk_blocks,
             "prefetch_layers": args.prefetch,
             "repeats": args.repeats,

@@ -9,6 +9,7 @@ LocalStore.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from kvflow.pool.paths import check_socket_path, default_socket
 from kvflow.pool.server import DEFAULT_CAPACITY, DEFAULT_LEASE_TTL_S, PoolConfig
 from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
 from kvflow.stores.copyloop import NATIVE, copy_ranges
-from kvflow.stores.regions import LocalRegions, check_copy_arrays, inside_spans
+from kvflow.stores.regions import LocalRegions, check_copy_arrays
 
 __all__ = ["SharedStore", "SharedStoreConfig"]
 
@@ -238,40 +239,35 @@ class SharedStore(Store):
                 raise ClosedError("SharedStore")
             if conn is None:
                 raise StoreUnavailableError("the pool server is not connected")
-            lo, hi = conn.base, conn.base + conn.capacity
-            outside = ~inside_spans(np.array([lo]), np.array([hi]), pool_addrs, sizes)
-            if outside.any():
-                bad = hex(int(pool_addrs[outside][0]))
-                raise InvalidArgumentError("pool_addrs", bad, "outside the pool's arena")
-            held = self._held(pool_addrs, sizes, reading)
+            _check_arena(conn, pool_addrs, sizes)
+            held, deadline = self._held(pool_addrs, sizes, reading)
             self._in_flight += 1
-        gone = conn.peer_gone()
         try:
-            if gone:
+            if conn.peer_gone():
                 held[:] = False
-            elif held.all():
-                dst, src = (local_addrs, pool_addrs) if reading else (pool_addrs, local_addrs)
-                copy_ranges(dst, src, sizes, native=self._native_copy)
             elif held.any():
-                keep = held
                 dst, src = (local_addrs, pool_addrs) if reading else (pool_addrs, local_addrs)
-                copy_ranges(dst[keep], src[keep], sizes[keep], native=self._native_copy)
+                if not held.all():
+                    dst, src, sizes = dst[held], src[held], sizes[held]
+                copy_ranges(dst, src, sizes, native=self._native_copy)
         finally:
             with self._cond:
                 self._in_flight -= 1
-                if reading and held.any():  # the lease must still hold now that the bytes are in
-                    held &= self._conn is conn
-                    held &= self._held(pool_addrs, sizes, reading)
                 self._cond.notify_all()
+        if reading and (self._conn is not conn or time.monotonic() >= deadline):
+            held[:] = False  # the leases must still hold now that the bytes are in
         failed: np.ndarray = np.flatnonzero(~held)
         return failed
 
-    def _held(self, pool: np.ndarray, sizes: np.ndarray, reading: bool) -> np.ndarray:
-        """Per range: inside this client's own write slots, or (reading) a live lease."""
-        held = self._write_spans.cover(pool, sizes, None)
-        if reading and not held.all():
-            held |= self._read_spans.cover(pool, sizes, time.monotonic())
-        return held
+    def _held(self, pool: np.ndarray, sizes: np.ndarray, reading: bool) -> tuple[np.ndarray, float]:
+        """Per range: inside one of this client's write slots, or (reading) under a live lease;
+        and the earliest deadline of the leases used."""
+        if not reading:
+            return self._write_spans.cover(pool, sizes, None)[0], math.inf
+        held, deadline = self._read_spans.cover(pool, sizes, time.monotonic())
+        if not held.all():  # reading back one's own pending write is allowed too
+            held |= self._write_spans.cover(pool, sizes, None)[0]
+        return held, deadline
 
     def usage(self) -> StoreUsage:
         stats = self.server_stats()
@@ -414,6 +410,17 @@ class SharedStore(Store):
             )
 
 
+def _check_arena(conn: PoolConnection, pool: np.ndarray, sizes: np.ndarray) -> None:
+    """Refuse ranges outside the mapped arena (bad input, not a store failure)."""
+    if pool.size == 0:
+        return
+    lo, hi = conn.base, conn.base + conn.capacity
+    # compare sizes with the room left, never addr + size, which can wrap past 2**63
+    if pool.min() < lo or pool.max() > hi or (sizes > hi - pool).any():
+        bad = pool[(pool < lo) | (pool > hi) | (sizes > hi - pool)]
+        raise InvalidArgumentError("pool_addrs", hex(int(bad[0])), "outside the pool's arena")
+
+
 class _Spans:
     """The pool memory a client's open sessions hold, as sorted arrays for vectorised checks."""
 
@@ -434,13 +441,21 @@ class _Spans:
         self._by_handle = {h: s for h, s in self._by_handle.items() if s.conn is not conn}
         self._rebuild()
 
-    def cover(self, addrs: np.ndarray, sizes: np.ndarray, now: float | None) -> np.ndarray:
-        """Per range: inside one held object (and, for leases, before the deadline)."""
-        inside = inside_spans(self._starts, self._ends, addrs, sizes)
-        if now is not None and inside.any():
-            idx = np.searchsorted(self._starts, addrs, side="right") - 1
-            inside &= self._deadlines_f[np.maximum(idx, 0)] > now
-        return inside
+    def cover(
+        self, addrs: np.ndarray, sizes: np.ndarray, now: float | None
+    ) -> tuple[np.ndarray, float]:
+        """Per range: inside one held object (and, given ``now``, before its lease's deadline);
+        and the earliest deadline among the objects covering the ranges."""
+        starts = self._starts
+        if starts.size == 0 or addrs.size == 0:
+            return np.zeros(addrs.shape, dtype=bool), math.inf
+        idx = np.maximum(np.searchsorted(starts, addrs, side="right") - 1, 0)
+        inside: np.ndarray = (starts[idx] <= addrs) & (sizes <= self._ends[idx] - addrs)
+        if now is None:
+            return inside, math.inf
+        deadlines = self._deadlines_f[idx]
+        inside &= deadlines > now
+        return inside, float(deadlines[inside].min()) if inside.any() else math.inf
 
     def _rebuild(self) -> None:
         sessions = list(self._by_handle.values())

@@ -46,6 +46,23 @@ def test_copy(tmp_path: Path) -> None:
     assert any(r["loop"] == "python" for r in rows)
 
 
+def test_pool(tmp_path: Path) -> None:
+    """The shared pool against the embedded one: real ``kvflow serve`` processes."""
+    result = bench(
+        tmp_path, "pool", "--layers", "2", "--block-bytes", "4KiB", "--blocks", "32",
+        "--repeats", "1", "--round-trip-layers", "2,5", "--lookup-keys", "64",
+    )  # fmt: skip
+    t = result["throughput"]
+    assert t["bytes"] == 2 * 32 * 4096
+    for kind in ("local", "shared"):
+        assert all(v > 0 for v in t["gbps"][kind].values())
+        assert result["lookup"][kind]["median_ms"] > 0
+    assert set(t["ratio_copy"]) == set(t["ratio_request"]) == {"save", "load"}
+    assert [r["layers"] for r in result["round_trips"]] == [2, 5]
+    assert {(r["save"], r["load"]) for r in result["round_trips"]} == {(2, 3)}
+    assert result["targets"]["round_trips_constant"] is True
+
+
 def test_addrgen(tmp_path: Path) -> None:
     result = bench(
         tmp_path, "addrgen", "--blocks", "256", "--block-bytes", "4KiB", "--repeats", "1"

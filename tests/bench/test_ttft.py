@@ -18,7 +18,11 @@ TINY = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("extra", [[], ["--mla-dim", "48"]], ids=["kv-heads", "mla"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--mla-dim", "48"], ["--store", "shared"]],
+    ids=["kv-heads", "mla", "shared-pool"],
+)
 def test_ttft_modes_agree_and_json_has_fixed_keys(tmp_path: Path, extra: list[str]) -> None:
     path, png = tmp_path / "ttft.json", tmp_path / "ttft.png"
     assert main(["bench", "ttft", *TINY, *extra, "--json", str(path), "--plot", str(png)]) == 0
