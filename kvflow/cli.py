@@ -15,12 +15,17 @@ from kvflow.pool import cli as pool_cli
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(scenarios_needed: bool = True) -> argparse.ArgumentParser:
+    """The command line; without ``scenarios_needed`` the bench scenarios (which import torch)
+    are listed but not imported, so ``kvflow serve`` starts in a fraction of a second."""
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: layerwise KV pooling")
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="measure kvflow against same-run references")
     scenarios = bench.add_subparsers(dest="scenario", required=True)
     for name, module_name in SCENARIOS.items():
+        if not scenarios_needed:
+            scenarios.add_parser(name)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:  # one scenario that cannot load must not take the others
@@ -40,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = _parser(scenarios_needed="bench" in words[:1] or not words).parse_args(words)
     if args.command != "bench":
         return pool_cli.run(args)
     if args.module is None:

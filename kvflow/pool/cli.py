@@ -12,8 +12,9 @@ import time
 from typing import Any
 
 from kvflow.errors import KVFlowError, PoolRunningError
+from kvflow.pool.client import query_stats
 from kvflow.pool.launch import EXIT_RUNNING, is_serving, read_pid, start_detached
-from kvflow.pool.paths import default_socket
+from kvflow.pool.paths import check_socket_path, default_socket
 from kvflow.pool.server import DEFAULT_CAPACITY, DEFAULT_LEASE_TTL_S, PoolConfig, PoolServer
 
 __all__ = ["add_commands"]
@@ -78,17 +79,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from kvflow.stores.shared import SharedStore
-
-    store = SharedStore(socket=args.socket, retry_interval_s=1e-3)
-    try:
-        stats = store.server_stats()
-    finally:
-        store.close()
+    path = check_socket_path(args.socket or default_socket())
+    stats = query_stats(path, timeout_s=5.0)
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
-    print(f"kvflow pool on {store.socket_path} (pid {read_pid(store.socket_path) or '?'})")
+    print(f"kvflow pool on {path} (pid {read_pid(path) or '?'})")
     for name, value in stats.items():
         shown = f"{value:,}" if name not in ("capacity", "used") else _size(value)
         print(f"  {name:24s} {shown}")
@@ -96,7 +92,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    path = PoolConfig(socket=args.socket, capacity=4096).socket
+    path = check_socket_path(args.socket or default_socket())
     pid = read_pid(path)
     if not pid or not is_serving(path):
         print(f"kvflow pool: no server on {path}", file=sys.stderr)

@@ -18,7 +18,7 @@ import time
 from kvflow.errors import ProtocolError, StoreError, StoreUnavailableError
 from kvflow.pool import protocol as p
 
-__all__ = ["PoolConnection", "Reply"]
+__all__ = ["PoolConnection", "Reply", "map_shared", "query_stats", "unmap"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -34,6 +34,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 Reply = tuple[p.Code, bytes]
 
@@ -82,7 +83,7 @@ class PoolConnection:
             size = os.fstat(fds[0]).st_size
             if size != hello.capacity:
                 raise ProtocolError(f"arena of {size} bytes, server said {hello.capacity}")
-            self.base = _map(fds[0], size, populate)
+            self.base = map_shared(fds[0], size, populate)
             self.capacity = size
         finally:
             for fd in fds:
@@ -166,16 +167,45 @@ class PoolConnection:
 
     def unmap(self) -> None:
         if self.base:
-            _libc.munmap(self.base, self.capacity)
+            unmap(self.base, self.capacity)
             self.base = 0
 
 
-def _map(fd: int, size: int, populate: bool) -> int:
-    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+def map_shared(fd: int, size: int, populate: bool) -> int:
+    """Map ``size`` bytes of ``fd`` shared, read-write; returns the address (``munmap`` it).
+
+    With ``populate`` every page is mapped writable now (``MADV_POPULATE_WRITE``, Linux 5.14;
+    older kernels get ``MAP_POPULATE``, which maps shared pages read-only, so the first write to
+    each still faults). Nothing in the memory changes.
+    """
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise StoreError(f"cannot map the pool's arena: {os.strerror(err)}", err)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         _libc.madvise(addr, size, mmap.MADV_HUGEPAGE)  # advice only; shmem THP may be off
+    if populate and _libc.madvise(addr, size, _MADV_POPULATE_WRITE) != 0:
+        _libc.munmap(addr, size)
+        flags = mmap.MAP_SHARED | _MAP_POPULATE
+        addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise StoreError(f"cannot map the pool's arena: {os.strerror(err)}", err)
     return int(addr)
+
+
+def unmap(addr: int, size: int) -> None:
+    _libc.munmap(addr, size)
+
+
+def query_stats(path: str, timeout_s: float) -> dict[str, int]:
+    """The counters of the server on ``path``, over a connection of their own."""
+    conn = PoolConnection(path, timeout_s)
+    try:
+        code, body = conn.request(p.Op.STATS)
+    finally:
+        conn.goodbye()
+        conn.unmap()
+    if code != p.Code.OK:
+        raise StoreError(f"stats: pool replied {code.name}", int(code))
+    return p.parse_stats(body)

@@ -35,8 +35,15 @@ from typing import Any
 import numpy as np
 
 from kvflow.config import _positive_float, parse_size
-from kvflow.errors import ConfigError, InvalidArgumentError, PoolRunningError, ProtocolError
+from kvflow.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    PoolRunningError,
+    ProtocolError,
+    StoreError,
+)
 from kvflow.pool import protocol as p
+from kvflow.pool.client import map_shared, unmap
 from kvflow.pool.paths import check_socket_path, default_socket, ensure_private_directory, sibling
 from kvflow.stores.arena import SLOT_ALIGN, ArenaIndex
 from kvflow.stores.base import WriteStatus
@@ -461,13 +468,19 @@ def _take_lock(path: str) -> int:
 
 
 def _make_arena(size: int) -> int:
-    """A memfd of ``size`` bytes, mode 0600, its memory allocated now."""
+    """A memfd of ``size`` bytes, mode 0600, its memory allocated and cleared now.
+
+    ``posix_fallocate`` reserves the pages (a client's copy can never fault on a full tmpfs)
+    but leaves them to be cleared on their first fault; writing-faulting them here once pays
+    that now, so a client's first touch of a page is a minor fault, not a page clear.
+    """
     fd = os.memfd_create("kvflow-pool", os.MFD_CLOEXEC)
     try:
         os.fchmod(fd, 0o600)
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
+        unmap(map_shared(fd, size, populate=True), size)
+    except (OSError, StoreError) as exc:
         os.close(fd)
         raise ConfigError("capacity", size, f"cannot allocate the arena: {exc}") from exc
     return fd

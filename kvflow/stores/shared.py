@@ -28,7 +28,7 @@ from kvflow.errors import (
     StoreUnavailableError,
 )
 from kvflow.pool import protocol as p
-from kvflow.pool.client import PoolConnection
+from kvflow.pool.client import PoolConnection, query_stats
 from kvflow.pool.launch import spawn_server, wait_until_serving
 from kvflow.pool.paths import check_socket_path, default_socket
 from kvflow.pool.server import DEFAULT_CAPACITY, DEFAULT_LEASE_TTL_S, PoolConfig
@@ -277,15 +277,9 @@ class SharedStore(Store):
         """Every counter the server keeps (``kvflow.pool.protocol.STATS_FIELDS``). After
         ``close()`` this asks over a connection of its own."""
         with self._lock:
-            if not self._closed:
-                code, body = self._call(p.Op.STATS)
-            else:
-                once = PoolConnection(self.config.socket, self.config.timeout_s)
-                try:
-                    code, body = once.request(p.Op.STATS)
-                finally:
-                    once.goodbye()
-                    once.unmap()
+            if self._closed:
+                return query_stats(self.config.socket, self.config.timeout_s)
+            code, body = self._call(p.Op.STATS)
             self._expect_ok(code, body, "stats")
             return p.parse_stats(body)
 
