@@ -99,13 +99,23 @@ def _stop(args: argparse.Namespace) -> int:
         return 1
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
-    while is_serving(path):
+    while is_serving(path) or _alive(pid):
         if time.monotonic() > deadline:
             print(f"kvflow pool: pid {pid} still serving after {args.timeout:g} s", file=sys.stderr)
             return 1
         time.sleep(0.05)
     print(f"kvflow pool: stopped pid {pid}")
     return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _size(n: int) -> str:

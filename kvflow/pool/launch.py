@@ -18,7 +18,14 @@ from kvflow.errors import StoreUnavailableError
 from kvflow.pool.paths import ensure_private_directory, sibling
 from kvflow.pool.server import PoolConfig
 
-__all__ = ["EXIT_RUNNING", "is_serving", "spawn_server", "start_detached", "wait_until_serving"]
+__all__ = [
+    "EXIT_RUNNING",
+    "is_serving",
+    "spawn_server",
+    "start_detached",
+    "start_in_background",
+    "wait_until_serving",
+]
 
 EXIT_RUNNING = 3  # `kvflow serve` found another server on its socket path
 
@@ -95,6 +102,35 @@ def start_detached(config: PoolConfig, timeout_s: float) -> int:
         proc = spawn_server(config)
         wait_until_serving(config.socket, timeout_s, proc)
     return read_pid(config.socket)
+
+
+def start_in_background(config: PoolConfig, timeout_s: float) -> None:
+    """From a client: run ``kvflow serve --detach`` and wait for it. The server is its child,
+    not ours, so this process holds no handle on it and it outlives us."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvflow",
+        "serve",
+        "--detach",
+        "--socket",
+        config.socket,
+        "--capacity",
+        str(config.size),
+        "--lease-ttl",
+        repr(float(config.lease_ttl_s)),
+        "--start-timeout",
+        repr(float(timeout_s)),
+    ]
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout_s + 10, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise StoreUnavailableError(
+            f"no pool server on {config.socket} after {timeout_s:g} s"
+        ) from exc
+    if done.returncode != 0:
+        reason = done.stderr.decode("utf-8", "replace").strip()[-400:]
+        raise StoreUnavailableError(f"could not start a pool server on {config.socket}: {reason}")
 
 
 def read_pid(path: str) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvflow.errors import ProtocolError
+from kvflow.errors import InvalidArgumentError, ProtocolError
 
 __all__ = [
     "HEADER",
@@ -192,7 +192,10 @@ class Reader:
 
 
 def encode_keys(keys: tuple[str, ...] | list[str]) -> bytes:
-    raw = [k.encode("utf-8") for k in keys]
+    try:
+        raw = [k.encode("utf-8") for k in keys]
+    except (UnicodeEncodeError, AttributeError) as exc:
+        raise InvalidArgumentError("keys", keys, "keys must be strings encodable as UTF-8") from exc
     if len(raw) > MAX_KEYS:
         raise ProtocolError(f"{len(raw)} keys in one call (limit {MAX_KEYS})")
     lengths = np.fromiter((len(b) for b in raw), dtype=np.int64, count=len(raw))

@@ -264,7 +264,10 @@ class PoolServer:
             return
         try:
             self._converse(client)
-        except (OSError, ProtocolError) as exc:
+        except ProtocolError as exc:  # every malformed message ends here, counted once
+            self._bad()
+            log.warning("kvflow pool: closing client pid %d: %s", client.pid, exc)
+        except OSError as exc:
             if not self._stopped.is_set():
                 log.warning("kvflow pool: closing client pid %d: %s", client.pid, exc)
         except Exception:  # a bug must cost this connection only, never the server
@@ -337,7 +340,6 @@ class PoolServer:
                 )
                 raise ProtocolError(f"protocol version {version}, expected {p.VERSION}")
             if length > p.MAX_BODY:
-                self._bad()
                 raise ProtocolError(f"a {length}-byte message (limit {p.MAX_BODY})")
             sock.settimeout(_BODY_TIMEOUT_S)
             body = _recv_exact(sock, length)
@@ -348,7 +350,6 @@ class PoolServer:
                 if (request.op == p.Op.HELLO) == greeted:
                     raise ProtocolError("HELLO must come first, and once")
             except ProtocolError as exc:
-                self._bad()
                 with contextlib.suppress(OSError):
                     sock.sendall(p.frame(p.Code.BAD_REQUEST, rid, _reason(str(exc))))
                 raise

@@ -29,7 +29,7 @@ from kvflow.errors import (
 )
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection, query_stats
-from kvflow.pool.launch import spawn_server, wait_until_serving
+from kvflow.pool.launch import start_in_background
 from kvflow.pool.paths import check_socket_path, default_socket
 from kvflow.pool.server import DEFAULT_CAPACITY, DEFAULT_LEASE_TTL_S, PoolConfig
 from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
@@ -42,6 +42,7 @@ log = logging.getLogger("kvflow")
 
 _LEASE_MARGIN = 0.1  # a lease counts as lost this share of its time limit before the server's
 _DRAIN_TIMEOUT_S = 5.0  # how long a dropped connection waits for copies still running
+_PAST_ARENAS = 8  # arenas of lost connections whose addresses still mean "lost", not "bad"
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class SharedStore(Store):
         self._in_flight = 0
         self._retry_at = 0.0
         self._closed = False
+        self._past_arenas: list[tuple[int, int]] = []  # (base, size) of dropped connections
         self.reconnects = 0
         try:
             with self._lock:
@@ -168,8 +170,7 @@ class SharedStore(Store):
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
             raise InvalidArgumentError("nbytes", nbytes, "must be an integer >= 1")
         with self._lock:
-            conn = self._connected()
-            code, body = self._call(p.Op.OPEN_WRITE, p.open_write_body(keys, int(nbytes)))
+            conn, code, body = self._call_on(p.Op.OPEN_WRITE, p.open_write_body(keys, int(nbytes)))
             self._expect_ok(code, body, "open_write")
             handle, offsets, sizes, status = p.parse_session(body, len(keys))
             granted = status == WriteStatus.GRANTED
@@ -194,9 +195,8 @@ class SharedStore(Store):
     def open_read(self, keys: Sequence[str]) -> ReadSession:
         keys = tuple(keys)
         with self._lock:
-            conn = self._connected()
             sent = time.monotonic()
-            code, body = self._call(p.Op.OPEN_READ, p.encode_keys(keys))
+            conn, code, body = self._call_on(p.Op.OPEN_READ, p.encode_keys(keys))
             self._expect_ok(code, body, "open_read")
             handle, offsets, sizes, found = p.parse_session(body, len(keys))
             found = found.astype(bool)
@@ -239,7 +239,7 @@ class SharedStore(Store):
                 raise ClosedError("SharedStore")
             if conn is None:
                 raise StoreUnavailableError("the pool server is not connected")
-            _check_arena(conn, pool_addrs, sizes)
+            _check_arena(conn, self._past_arenas, pool_addrs, sizes)
             held, deadline = self._held(pool_addrs, sizes, reading)
             self._in_flight += 1
         try:
@@ -331,8 +331,7 @@ class SharedStore(Store):
         except StoreUnavailableError:
             if not cfg.auto_start:
                 raise
-            proc = spawn_server(cfg.server_config())
-            wait_until_serving(cfg.socket, cfg.start_timeout_s, proc)
+            start_in_background(cfg.server_config(), cfg.start_timeout_s)
             conn = PoolConnection(cfg.socket, cfg.timeout_s, populate=cfg.populate)
         if self._sessions or self.reconnects or self._retry_at:
             log.info("kvflow: connected to the pool on %s", cfg.socket)
@@ -340,12 +339,19 @@ class SharedStore(Store):
         return conn
 
     def _call(self, op: p.Op, body: bytes = b"") -> tuple[p.Code, bytes]:
+        _, code, reply = self._call_on(op, body)
+        return code, reply
+
+    def _call_on(self, op: p.Op, body: bytes = b"") -> tuple[PoolConnection, p.Code, bytes]:
+        """One request; also returns the connection that carried it (a reply's offsets are
+        relative to that connection's arena). Holds _lock."""
         conn = self._connected()
         try:
-            return conn.request(op, body)
+            code, reply = conn.request(op, body)
         except KVFlowError as exc:
             self._drop(conn, str(exc))
             raise StoreUnavailableError(f"the pool on {self.config.socket} is down: {exc}") from exc
+        return conn, code, reply
 
     def _drop(self, conn: PoolConnection, why: str) -> None:
         """Forget a connection: no new copy may use it, copies in flight finish, then the
@@ -355,6 +361,9 @@ class SharedStore(Store):
                 self._conn = None
             self._write_spans.drop(conn)
             self._read_spans.drop(conn)
+            if conn.base:
+                past = (conn.base, conn.capacity)
+                self._past_arenas = [*self._past_arenas[-(_PAST_ARENAS - 1) :], past]
             drained = self._cond.wait_for(lambda: self._in_flight == 0, _DRAIN_TIMEOUT_S)
         conn.goodbye() if self._closed else conn.close()
         if drained:
@@ -404,15 +413,29 @@ class SharedStore(Store):
             )
 
 
-def _check_arena(conn: PoolConnection, pool: np.ndarray, sizes: np.ndarray) -> None:
-    """Refuse ranges outside the mapped arena (bad input, not a store failure)."""
+def _check_arena(
+    conn: PoolConnection, past: list[tuple[int, int]], pool: np.ndarray, sizes: np.ndarray
+) -> None:
+    """Refuse ranges outside the mapped arena (bad input, not a store failure). Ranges inside
+    an arena of an earlier connection (``past``: ``(base, size)``) pass: they belong to
+    sessions the pool lost, which the lease checks then fail."""
     if pool.size == 0:
         return
-    lo, hi = conn.base, conn.base + conn.capacity
+    outside = ~_within(conn.base, conn.capacity, pool, sizes)
+    if not outside.any():
+        return
+    for base, size in past:
+        outside &= ~_within(base, size, pool, sizes)
+    if outside.any():
+        bad = hex(int(pool[outside][0]))
+        raise InvalidArgumentError("pool_addrs", bad, "outside the pool's arena")
+
+
+def _within(base: int, size: int, pool: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     # compare sizes with the room left, never addr + size, which can wrap past 2**63
-    if pool.min() < lo or pool.max() > hi or (sizes > hi - pool).any():
-        bad = pool[(pool < lo) | (pool > hi) | (sizes > hi - pool)]
-        raise InvalidArgumentError("pool_addrs", hex(int(bad[0])), "outside the pool's arena")
+    room = base + size - pool
+    inside: np.ndarray = (pool >= base) & (pool <= base + size) & (sizes <= room)
+    return inside
 
 
 class _Spans:

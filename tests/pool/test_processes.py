@@ -1,0 +1,313 @@
+"""The pool across real processes: ``kvflow serve`` as a child process, clients in worker
+processes (``tests/pool/workers.py``), crashes by SIGKILL on either side, and auto-start races."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow import ChunkStatus, WriteStatus
+from tests.conftest import make_caches
+from tests.pool.conftest import (
+    REPO,
+    ServeProcess,
+    Worker,
+    live_server_pids,
+    wait_for_stats,
+    wait_until,
+)
+from tests.pool.workers import NUM_PROMPTS, key_bytes
+from tests.stores.conftest import read_objects, write_objects
+
+Serve = Callable[..., ServeProcess]
+Workers = Callable[..., Worker]
+SLOT = 8192
+
+
+def stats_of(path: str) -> dict[str, int]:
+    """The server's counters over a connection of their own."""
+    store = kvflow.SharedStore(socket=path, timeout_s=5)
+    try:
+        return store.server_stats()
+    finally:
+        store.close()
+
+
+def touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+def test_processes_share_prefixes_bit_exact(sock_dir: str, serve: Serve, workers: Workers) -> None:
+    """Four processes save overlapping prompts and load everyone's, through a pool that holds a
+    fraction of them (so eviction runs all along); every chunk loaded OK is bit-exact."""
+    path = f"{sock_dir}/pool.sock"
+    serve(path, 24 * 4096)  # 24 objects; the prompts have 2 + 6 + 24 = 32 distinct chunks
+    go = f"{sock_dir}/go"
+    procs = [
+        workers(f"engine-{i}", "engine", socket=path, index=i, processes=4, seconds=2.0, go=go)
+        for i in range(4)
+    ]
+    for w in procs:
+        w.wait_ready(90)
+    touch(go)
+    results = [w.result(90) for w in procs]
+    for r in results:
+        assert r["mismatches"] == 0, r["errors"]
+        assert r["failed"] == 0 and r["engine_failed_chunks"] == 0, r
+        assert r["saves"] > 0 and r["loads"] >= NUM_PROMPTS
+        assert r["loaded_ok"] > 0
+    total = {k: sum(r[k] for r in results) for k in results[0] if k != "errors"}
+    assert total["loaded_foreign"] > 0, total  # chunks other processes stored were read
+    assert total["exists"] > 0, total  # the prompts' shared prefixes were saved concurrently
+    stats = stats_of(path)
+    assert stats["evictions"] > 0, stats
+    assert (stats["pending_writes"], stats["leases"], stats["open_sessions"]) == (0, 0, 0)
+    assert stats["released_on_disconnect"] == 0  # every worker finished its sessions itself
+
+
+def test_client_killed_mid_write(sock_dir: str, serve: Serve, workers: Workers) -> None:
+    path = f"{sock_dir}/pool.sock"
+    serve(path, 6 * SLOT)
+    before = stats_of(path)
+    keys = [f"dying/{i}" for i in range(6)]  # the whole pool
+    worker = workers("writer", "hold_writes", socket=path, keys=keys, nbytes=SLOT)
+    ready = worker.wait_ready(60)
+    assert ready["status"] == [WriteStatus.GRANTED] * 6 and ready["failed"] == []
+    stats = stats_of(path)
+    assert (stats["pending_writes"], stats["used"]) == (6, 6 * SLOT)
+    worker.kill()
+    assert worker.proc.returncode == -9
+    store = kvflow.SharedStore(socket=path, timeout_s=5)
+    try:
+        stats = wait_for_stats(
+            store.server_stats,
+            lambda s: s["pending_writes"] == 0,
+            10,
+            "the dead writer's slots to come back",
+        )
+        assert stats["used"] == before["used"] == 0
+        assert (stats["objects"], stats["open_sessions"]) == (0, 0)
+        assert stats["released_on_disconnect"] == 1
+        assert not store.lookup(keys).any()  # nothing of the half-written objects shows
+        # every slot is reusable: the full pool fills again, with no eviction needed
+        fresh = {f"fresh/{i}": key_bytes(f"fresh/{i}", SLOT) for i in range(6)}
+        status = write_objects(store, fresh)
+        assert (status == WriteStatus.GRANTED).all()
+        stats = store.server_stats()
+        assert (stats["objects"], stats["used"], stats["evictions"]) == (6, 6 * SLOT, 0)
+        got = read_objects(store, list(fresh), SLOT)
+        for key, want in fresh.items():
+            np.testing.assert_array_equal(got[key], want)
+        assert not store.lookup(keys).any()
+    finally:
+        store.close()
+
+
+def test_client_killed_holding_leases(sock_dir: str, serve: Serve, workers: Workers) -> None:
+    path = f"{sock_dir}/pool.sock"
+    serve(path, 4 * SLOT)
+    store = kvflow.SharedStore(socket=path, timeout_s=5)
+    try:
+        old = {f"old/{i}": key_bytes(f"old/{i}", SLOT) for i in range(4)}
+        assert (write_objects(store, old) == WriteStatus.GRANTED).all()
+        worker = workers("reader", "hold_leases", socket=path, keys=list(old))
+        assert worker.wait_ready(60)["found"] == [True] * 4
+        assert store.server_stats()["leases"] == 4
+        # leased: nothing can be evicted, so there is no room
+        session = store.open_write(["blocked"], SLOT)
+        assert session.status.tolist() == [WriteStatus.NO_SPACE]
+        store.finish_write(session, np.zeros(1, dtype=bool))
+        worker.kill()
+        stats = wait_for_stats(
+            store.server_stats,
+            lambda s: s["leases"] == 0,
+            10,
+            "the dead reader's leases to be released",
+        )
+        assert (stats["open_sessions"], stats["objects"]) == (0, 4)
+        new = {f"new/{i}": key_bytes(f"new/{i}", SLOT) for i in range(4)}
+        assert (write_objects(store, new) == WriteStatus.GRANTED).all()
+        stats = store.server_stats()
+        assert (stats["evictions"], stats["objects"]) == (4, 4)
+        assert not store.lookup(list(old)).any()
+        got = read_objects(store, list(new), SLOT)
+        for key, want in new.items():
+            np.testing.assert_array_equal(got[key], want)
+    finally:
+        store.close()
+
+
+# -- the server crashes and comes back --------------------------------------------------------
+
+BS = 16
+CHUNK = 2
+
+
+def prompt(chunks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30_000, chunks * CHUNK * BS)
+
+
+def assert_blocks_equal(caches: list[Any], src: np.ndarray, dst: np.ndarray) -> None:
+    for layer in caches:  # as bytes: random float16 bits include NaNs
+        raw = layer.numpy().view(np.uint8)
+        np.testing.assert_array_equal(raw[src], raw[dst])
+
+
+async def test_server_killed_and_restarted(sock_dir: str, serve: Serve) -> None:
+    path = f"{sock_dir}/pool.sock"
+    server = serve(path, "16MiB")
+    caches = make_caches(num_layers=4, num_blocks=64, seed=3)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    store = kvflow.SharedStore(socket=path, retry_interval_s=0.05, timeout_s=1)
+    config = kvflow.EngineConfig(chunk_blocks=CHUNK, op_timeout_s=5, copy_timeout_s=2)
+    engine = kvflow.TransferEngine(layout, store, config)
+    try:
+        tokens = prompt(4, seed=1)
+        src = np.arange(0, 8)
+        assert (await asyncio.wait_for(engine.save(tokens, src), 10)).ok
+        assert await engine.lookup(tokens) == len(tokens)
+
+        # a load in flight when the server dies: its chunks fail, within the timeouts
+        dst = np.arange(8, 16)
+        async with await engine.start_load([(tokens, dst)]) as handle:
+            await handle.wait_layer(0, timeout=5)
+            server.kill()
+            started = time.monotonic()
+            result = await asyncio.wait_for(handle.wait(timeout=8), 10)
+            assert time.monotonic() - started < 5
+        status = result.requests[0].chunk_status
+        assert (status == ChunkStatus.FAILED).all(), result
+        assert not result.ok
+
+        # a dead server is an unavailable store, quickly, and the engine turns it into misses
+        started = time.monotonic()
+        with pytest.raises(kvflow.StoreUnavailableError):
+            store.lookup(["any"])
+        assert time.monotonic() - started < 2
+        started = time.monotonic()
+        assert await engine.lookup(tokens) == 0
+        assert engine.stats().lookup_errors >= 1
+        other = prompt(2, seed=2)
+        saved = await asyncio.wait_for(engine.save(other, np.arange(16, 20)), 10)
+        assert not saved.ok
+        assert saved.count(ChunkStatus.OK) == 0
+        assert engine.stats().store_errors >= 1
+        assert time.monotonic() - started < 5
+
+        # the server comes back on the same path: the same store reconnects by itself
+        reconnects = store.reconnects
+        serve(path, "16MiB")
+
+        def answers() -> bool:
+            try:
+                return not store.lookup(["any"]).any()
+            except kvflow.StoreUnavailableError:
+                return False
+
+        wait_until(answers, 10, "the store to reconnect")
+        assert store.reconnects == reconnects + 1
+        assert await engine.lookup(tokens) == 0  # a new pool: empty
+        assert (await asyncio.wait_for(engine.save(tokens, src), 10)).ok
+        assert await engine.lookup(tokens) == len(tokens)
+        for layer in caches:
+            layer[dst] = 0
+        loaded = await asyncio.wait_for(engine.load(tokens, dst), 10)
+        assert loaded.ok and loaded.count(ChunkStatus.OK) == 4
+        assert_blocks_equal(caches, src, dst)
+        stats = store.server_stats()
+        assert (stats["leases"], stats["pending_writes"], stats["objects"]) == (0, 0, 4)
+    finally:
+        await engine.close()
+        store.close()
+
+
+# -- auto-start -------------------------------------------------------------------------------
+
+
+def kvflow_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvflow", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_auto_start_race(sock_dir: str, workers: Workers) -> None:
+    path = f"{sock_dir}/auto/pool.sock"  # nobody has created the directory yet either
+    go, release = f"{sock_dir}/go", f"{sock_dir}/release"
+    try:
+        procs = [
+            workers(f"auto-{i}", "autostart", socket=path, tag=str(i), go=go, release=release)
+            for i in range(4)
+        ]
+        time.sleep(0.5)  # not synchronisation: lets the interpreters start before the go
+        touch(go)
+        reports = [w.wait_ready(90) for w in procs]
+        for r in reports:
+            assert r["found_own"] and r["found"] == [True, True], r
+            assert r["failed"] == []
+        # one server: every client saw the same instance and pid, and it serves them all
+        assert len({r["instance"] for r in reports}) == 1
+        pids = {r["server_pid"] for r in reports}
+        assert len(pids) == 1 and 0 not in pids
+        (pid,) = pids
+        granted_common = [r["status"][1] for r in reports].count(WriteStatus.GRANTED)
+        assert granted_common >= 1  # `auto/common`: written by one, EXISTS for the others
+        live = wait_until(
+            lambda: p if len(p := live_server_pids(path)) == 1 else None,
+            30,
+            "the servers that lost the race to exit",
+        )
+        assert live == [pid]
+        stats = stats_of(path)
+        assert stats["clients"] == 5  # the four workers and this stats connection
+        assert stats["objects"] == 5 and stats["capacity"] == 64 << 20
+        touch(release)
+        for w in procs:
+            w.result(30)
+        stopped = kvflow_cli("pool", "--socket", path, "stop")
+        assert stopped.returncode == 0, stopped.stderr
+        # `stop` returns once the socket refuses connections; the process exits just after
+        wait_until(lambda: not os.path.exists(path), 5, "the socket to be removed")
+        wait_until(lambda: not live_server_pids(path), 10, "the server process to exit")
+    finally:
+        touch(release)
+        for pid in live_server_pids(path):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_auto_start_in_process_leaves_no_resource_warning(sock_dir: str) -> None:
+    path = f"{sock_dir}/pool.sock"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            store = kvflow.SharedStore(
+                socket=path, auto_start=True, capacity="8MiB", start_timeout_s=60
+            )
+            try:
+                assert store.server_stats()["capacity"] == 8 << 20
+            finally:
+                store.close()
+            gc.collect()
+        leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert leaked == []
+    finally:
+        for pid in live_server_pids(path):
+            os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not live_server_pids(path), 10, "the auto-started server to exit")

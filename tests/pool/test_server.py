@@ -1,0 +1,651 @@
+"""PoolServer in-process: file permissions, refusals (directory, second server, foreign peers,
+too many clients), lease expiry, and release of a client's sessions when it leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import mmap
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow import Direction, WriteStatus
+from kvflow.pool import PoolConfig, PoolServer
+from kvflow.pool import protocol as p
+from kvflow.pool.client import PoolConnection
+from tests.conftest import make_caches
+from tests.pool.conftest import greet, read_to_eof, recv_exact, wait_for_stats, wait_until
+from tests.pools import ServedSharedStore, dispose
+from tests.stores.conftest import (
+    OBJ_BYTES,
+    addr,
+    alloc_registered,
+    content,
+    read_objects,
+    write_objects,
+)
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def server(sock_dir: str) -> Iterator[PoolServer]:
+    srv = PoolServer(PoolConfig(socket=f"{sock_dir}/pool.sock", capacity="8MiB"))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def i64(values: object) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+# -- files and permissions --------------------------------------------------------------------
+
+
+def test_socket_directory_and_arena_are_private(sock_dir: str) -> None:
+    directory = f"{sock_dir}/sub"  # the server creates it
+    path = f"{directory}/pool.sock"
+    with PoolServer(PoolConfig(socket=path, capacity="4MiB")):
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        info = os.stat(path)
+        assert stat.S_ISSOCK(info.st_mode)
+        assert stat.S_IMODE(info.st_mode) == 0o600
+        for suffix in (".lock", ".pid"):
+            assert stat.S_IMODE(os.stat(path + suffix).st_mode) == 0o600
+        assert sorted(os.listdir(directory)) == ["pool.sock", "pool.sock.lock", "pool.sock.pid"]
+        with greet(path) as conn:
+            assert conn.code == p.Code.OK
+            assert conn.hello.capacity == 4 << 20
+            assert len(conn.fds) == 1
+            arena = os.fstat(conn.fds[0])
+            assert stat.S_IMODE(arena.st_mode) == 0o600
+            assert arena.st_size == 4 << 20
+            assert stat.S_ISREG(arena.st_mode)
+            assert arena.st_nlink == 0  # never a named file
+            assert os.readlink(f"/proc/self/fd/{conn.fds[0]}").startswith("/memfd:")
+    # stopped: the socket and pid file are gone (the lock file may stay)
+    assert not os.path.exists(path)
+    assert not os.path.exists(path + ".pid")
+
+
+def test_directory_writable_by_others_is_refused(sock_dir: str) -> None:
+    for mode in (0o777, 0o722, 0o1777, 0o720):
+        os.chmod(sock_dir, mode)
+        server = PoolServer(PoolConfig(socket=f"{sock_dir}/pool.sock", capacity="1MiB"))
+        with pytest.raises(kvflow.ConfigError, match="writable by others"):
+            server.start()
+        server.stop()
+        assert os.listdir(sock_dir) == []
+    os.chmod(sock_dir, 0o700)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another uid needs root")
+def test_directory_of_another_uid_is_refused(sock_dir: str) -> None:
+    os.chown(sock_dir, NOBODY, -1)
+    server = PoolServer(PoolConfig(socket=f"{sock_dir}/pool.sock", capacity="1MiB"))
+    with pytest.raises(kvflow.ConfigError, match="belongs to uid"):
+        server.start()
+    server.stop()
+    assert os.listdir(sock_dir) == []
+
+
+def test_a_symlinked_directory_is_refused(sock_dir: str) -> None:
+    real = f"{sock_dir}/real"
+    os.mkdir(real, 0o700)
+    os.symlink(real, f"{sock_dir}/link")
+    server = PoolServer(PoolConfig(socket=f"{sock_dir}/link/pool.sock", capacity="1MiB"))
+    with pytest.raises(kvflow.ConfigError):
+        server.start()
+    server.stop()
+
+
+def test_a_second_server_on_the_same_path_is_refused(server: PoolServer) -> None:
+    second = PoolServer(PoolConfig(socket=server.socket_path, capacity="1MiB"))
+    with pytest.raises(kvflow.PoolRunningError):
+        second.start()
+    second.stop()  # must not touch the first server's files
+    with (
+        pytest.raises(kvflow.PoolRunningError),
+        PoolServer(PoolConfig(socket=server.socket_path, capacity="1MiB")),
+    ):
+        pass
+    assert os.path.exists(server.socket_path)
+    store = kvflow.SharedStore(socket=server.socket_path)
+    try:
+        assert store.server_stats()["capacity"] == 8 << 20  # the first one answers
+        assert store.server_stats()["clients"] == 1
+    finally:
+        store.close()
+
+
+def test_a_stopped_servers_path_can_be_served_again(sock_dir: str) -> None:
+    path = f"{sock_dir}/pool.sock"
+    with PoolServer(PoolConfig(socket=path, capacity="1MiB")):
+        pass
+    with PoolServer(PoolConfig(socket=path, capacity="2MiB")), greet(path) as conn:
+        assert conn.hello.capacity == 2 << 20
+
+
+# -- peers ------------------------------------------------------------------------------------
+
+PEER = r"""
+import os, socket, struct, sys
+path, frame = sys.argv[1], bytes.fromhex(sys.argv[2])
+os.setgid(65534)
+os.setuid(65534)
+assert os.getuid() == 65534
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+try:
+    s.connect(path)
+except OSError as exc:
+    print("connect-failed", exc)
+    sys.exit(0)
+try:
+    s.sendall(frame)
+    data, fds, _, _ = socket.recv_fds(s, 64, 4)
+except (ConnectionResetError, BrokenPipeError):
+    data, fds = b"", []
+for fd in fds:
+    os.close(fd)
+print("accepted" if data and fds else "closed", len(data), len(fds))
+"""
+
+
+def run_as_nobody(path: str) -> str:
+    frame = p.frame(p.Op.HELLO, 1, p.hello_body(0)).hex()
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", PEER, path, frame],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a peer of another uid")
+@pytest.mark.parametrize("allowed", [False, True], ids=["refused", "allowed"])
+def test_peers_of_another_uid(allowed: bool) -> None:
+    directory = tempfile.mkdtemp(prefix="kvf-", dir="/tmp")
+    try:
+        os.chmod(directory, 0o711)  # others may traverse, not list or write
+        config = PoolConfig(
+            socket=f"{directory}/pool.sock",
+            capacity="1MiB",
+            socket_mode=0o666,
+            allow_uids=(NOBODY,) if allowed else (),
+        )
+        with PoolServer(config) as srv:
+            assert stat.S_IMODE(os.stat(config.socket).st_mode) == 0o666
+            out = run_as_nobody(config.socket)
+            stats = srv.stats()
+            if allowed:
+                assert out.startswith("accepted"), out
+                assert stats["refused_peers"] == 0
+                assert stats["clients_total"] >= 1
+            else:
+                assert out.startswith("closed"), out
+                assert stats["refused_peers"] >= 1
+            # our own uid is always accepted
+            with greet(config.socket) as conn:
+                assert conn.code == p.Code.OK
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_max_clients(sock_dir: str) -> None:
+    path = f"{sock_dir}/pool.sock"
+    with PoolServer(PoolConfig(socket=path, capacity="1MiB", max_clients=2)) as srv:
+        first = PoolConnection(path, 5.0)
+        second = PoolConnection(path, 5.0)
+        try:
+            with pytest.raises(kvflow.StoreError):
+                PoolConnection(path, 5.0)
+            assert srv.stats()["refused_peers"] >= 1
+            assert srv.stats()["clients"] == 2
+            first.goodbye()
+            first.unmap()
+            wait_until(lambda: srv.stats()["clients"] == 1, 5, "the first client to leave")
+            third = PoolConnection(path, 5.0)  # room again
+            assert third.request(p.Op.STATS)[0] == p.Code.OK
+            third.goodbye()
+            third.unmap()
+        finally:
+            for conn in (first, second):
+                conn.goodbye()
+                conn.unmap()
+
+
+# -- protocol violations --------------------------------------------------------------------
+
+VIOLATIONS = {
+    "request-before-hello": p.frame(p.Op.LOOKUP, 1, p.encode_keys(["a"])),
+    "hello-twice": p.frame(p.Op.HELLO, 2, p.hello_body(1)),
+    "unknown-op": p.frame(99, 2),
+    "trailing-bytes": p.frame(p.Op.STATS, 2, b"x"),
+    "other-version": p.HEADER.pack(0, p.VERSION + 1, p.Op.STATS, 0, 2),
+    "oversized": p.HEADER.pack(p.MAX_BODY + 1, p.VERSION, p.Op.LOOKUP, 0, 2),
+    "body-cut-short": p.HEADER.pack(100, p.VERSION, p.Op.LOOKUP, 0, 2) + b"\x01\x00",
+    "header-cut-short": p.frame(p.Op.STATS, 2)[:5],
+}
+COUNTED_BAD = {"request-before-hello", "hello-twice", "unknown-op", "trailing-bytes", "oversized"}
+EXPECTED_CODE = {
+    "request-before-hello": p.Code.BAD_REQUEST,
+    "hello-twice": p.Code.BAD_REQUEST,
+    "unknown-op": p.Code.BAD_REQUEST,
+    "trailing-bytes": p.Code.BAD_REQUEST,
+    "other-version": p.Code.VERSION_MISMATCH,
+}
+
+
+@pytest.mark.parametrize("case", list(VIOLATIONS))
+def test_a_protocol_violation_closes_only_that_connection(case: str) -> None:
+    store = ServedSharedStore(16 * OBJ_BYTES)
+    try:
+        write_objects(store, {"kept": content("kept")})
+        pending = store.open_write(["pending"], OBJ_BYTES)
+        before = store.server_stats()
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            raw.settimeout(5)
+            raw.connect(store.socket_path)
+            if case != "request-before-hello":
+                raw.sendall(p.frame(p.Op.HELLO, 1, p.hello_body(os.getpid())))
+                header, fds, _, _ = socket.recv_fds(raw, p.HEADER.size, 4)
+                for fd in fds:
+                    os.close(fd)
+                assert len(header) == p.HEADER.size and len(fds) == 1
+                recv_exact(raw, p.HEADER.unpack(header)[0])  # the HELLO reply's body
+            raw.sendall(VIOLATIONS[case])
+            if case.endswith("cut-short"):
+                raw.shutdown(socket.SHUT_WR)
+            reply = read_to_eof(raw)  # the server closes it (the timeout fails the test)
+        finally:
+            raw.close()
+        if case in EXPECTED_CODE:
+            length, version, code, _, _ = p.HEADER.unpack(reply[: p.HEADER.size])
+            assert (version, code) == (p.VERSION, EXPECTED_CODE[case])
+            assert len(reply) == p.HEADER.size + length
+            assert reply[p.HEADER.size :].decode()  # a reason
+        else:
+            assert reply == b""
+        wait_until(lambda: store.server.stats()["clients"] == 1, 5, "the raw client to go")
+        after = store.server_stats()
+        for name in ("used", "objects", "pending_writes", "leases", "open_sessions"):
+            assert after[name] == before[name], name
+        if case in COUNTED_BAD:  # (a peer that leaves mid-message is just gone)
+            assert after["bad_messages"] == before["bad_messages"] + 1
+        # the other client's session is untouched and completes
+        src = alloc_registered(store, OBJ_BYTES)
+        src[:] = content("pending")
+        failed = store.batch_copy(
+            i64(pending.addrs), i64([addr(src)]), i64([OBJ_BYTES]), Direction.TO_POOL
+        )
+        assert failed.size == 0
+        store.finish_write(pending, np.ones(1, dtype=bool))
+        got = read_objects(store, ["kept", "pending"], OBJ_BYTES)
+        np.testing.assert_array_equal(got["kept"], content("kept"))
+        np.testing.assert_array_equal(got["pending"], content("pending"))
+    finally:
+        dispose(store)
+
+
+# -- leases and sessions ----------------------------------------------------------------------
+
+
+def test_read_leases_expire() -> None:
+    store = ServedSharedStore(4 * OBJ_BYTES, lease_ttl_s=0.5)
+    try:
+        write_objects(store, {"old": content("old")})
+        session = store.open_read(["old"])
+        assert session.found.all()
+        assert store.server_stats()["leases"] == 1
+        dst = alloc_registered(store, OBJ_BYTES)
+        failed = store.batch_copy(
+            i64(session.addrs[:1]), i64([addr(dst)]), i64([OBJ_BYTES]), Direction.FROM_POOL
+        )
+        assert failed.size == 0  # the lease holds for now
+        wait_until(lambda: store.server_stats()["expired_leases"] == 1, 5, "the lease to expire")
+        stats = store.server_stats()
+        assert (stats["leases"], stats["open_sessions"], stats["objects"]) == (0, 0, 1)
+        # copies under the lost lease fail, every range of them
+        half = OBJ_BYTES // 2
+        failed = store.batch_copy(
+            i64([session.addrs[0], session.addrs[0] + half]),
+            i64([addr(dst), addr(dst) + half]),
+            i64([half, half]),
+            Direction.FROM_POOL,
+        )
+        assert sorted(failed.tolist()) == [0, 1]
+        with pytest.raises(kvflow.StoreError) as info:
+            store.close_read(session)
+        assert not isinstance(info.value, kvflow.StoreUnavailableError)
+        # the object is evictable again: four new objects fill the pool and push it out
+        status = write_objects(store, {f"new-{i}": content(f"new-{i}") for i in range(4)})
+        assert (status == WriteStatus.GRANTED).all()
+        assert not store.lookup(["old"]).any()
+        stats = store.server_stats()
+        assert stats["evictions"] == 1 and stats["objects"] == 4
+        # the connection is still fine
+        got = read_objects(store, ["new-0"], OBJ_BYTES)["new-0"]
+        np.testing.assert_array_equal(got, content("new-0"))
+    finally:
+        dispose(store)
+
+
+def test_pending_writes_do_not_expire() -> None:
+    store = ServedSharedStore(4 * OBJ_BYTES, lease_ttl_s=0.3)
+    try:
+        write_objects(store, {"other": content("other")})
+        reading = store.open_read(["other"])
+        writing = store.open_write(["slow"], OBJ_BYTES)
+        assert writing.granted.all()
+        # the reaper has run past the lease limit: the read lease went, the write did not
+        wait_until(lambda: store.server_stats()["expired_leases"] == 1, 5, "the lease to expire")
+        stats = store.server_stats()
+        assert (stats["pending_writes"], stats["open_sessions"]) == (1, 1)
+        src = alloc_registered(store, OBJ_BYTES)
+        src[:] = content("slow")
+        failed = store.batch_copy(
+            i64(writing.addrs), i64([addr(src)]), i64([OBJ_BYTES]), Direction.TO_POOL
+        )
+        assert failed.size == 0
+        store.finish_write(writing, np.ones(1, dtype=bool))
+        assert store.lookup(["slow"]).all()
+        np.testing.assert_array_equal(
+            read_objects(store, ["slow"], OBJ_BYTES)["slow"], content("slow")
+        )
+        with pytest.raises(kvflow.StoreError):
+            store.close_read(reading)
+        assert store.server_stats()["open_sessions"] == 0
+    finally:
+        dispose(store)
+
+
+async def test_a_load_whose_leases_expire_fails_its_chunks() -> None:
+    """A lease lost mid-load never passes bytes off as loaded: the chunks come back FAILED."""
+    caches = make_caches(num_layers=4, num_blocks=32, seed=5)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=16)
+    store = ServedSharedStore(4 << 20, lease_ttl_s=0.5)
+    config = kvflow.EngineConfig(chunk_blocks=2, prefetch_layers=1, op_timeout_s=10)
+    try:
+        async with kvflow.TransferEngine(layout, store, config) as engine:
+            tokens = np.arange(64) + 7
+            assert (await asyncio.wait_for(engine.save(tokens, np.arange(4)), 10)).ok
+            async with await engine.start_load([(tokens, np.arange(4, 8))]) as handle:
+                await handle.wait_layer(0, timeout=5)  # layer 2 waits for us to pass layer 1
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: store.server_stats()["expired_leases"] == 1,
+                    5,
+                    "the load's lease to expire",
+                )
+                result = await handle.wait(timeout=5)
+            assert result.count(kvflow.ChunkStatus.FAILED) == 2, result
+            assert not result.ok
+            # the pool is fine, and a fresh load works
+            stats = store.server_stats()
+            assert (stats["leases"], stats["open_sessions"], stats["objects"]) == (0, 0, 2)
+            loaded = await asyncio.wait_for(engine.load(tokens, np.arange(8, 12)), 10)
+            assert loaded.ok
+            for layer in caches:
+                raw = layer.numpy().view(np.uint8)
+                np.testing.assert_array_equal(raw[0:4], raw[8:12])
+    finally:
+        dispose(store)
+
+
+def test_populate_maps_a_usable_arena(server: PoolServer) -> None:
+    store = kvflow.SharedStore(socket=server.socket_path, populate=True)
+    try:
+        objects = {f"p{i}": content(f"p{i}") for i in range(8)}
+        assert (write_objects(store, objects) == WriteStatus.GRANTED).all()
+        got = read_objects(store, list(objects), OBJ_BYTES)
+        for key, want in objects.items():
+            np.testing.assert_array_equal(got[key], want)
+    finally:
+        store.close()
+
+
+def open_some(store: kvflow.SharedStore) -> None:
+    """One pending write and one read lease (of two objects) on ``store``'s connection."""
+    write_objects(store, {"a": content("a"), "b": content("b")})
+    assert store.open_write(["pending"], OBJ_BYTES).granted.all()
+    assert store.open_read(["a", "b"]).found.all()
+    stats = store.server_stats()
+    assert (stats["pending_writes"], stats["leases"], stats["open_sessions"]) == (1, 2, 2)
+
+
+def check_released(store: ServedSharedStore, used_before: int) -> None:
+    stats = wait_for_stats(
+        store.server.stats,
+        lambda s: s["released_on_disconnect"] == 2,
+        5,
+        "the sessions to be released",
+    )
+    assert stats["pending_writes"] == 0
+    assert stats["leases"] == 0
+    assert stats["open_sessions"] == 0
+    assert stats["objects"] == 2
+    assert stats["used"] == used_before
+    wait_until(lambda: store.server.stats()["clients"] == 0, 5, "the client to be gone")
+
+
+def test_close_releases_a_clients_sessions() -> None:
+    store = ServedSharedStore(16 * OBJ_BYTES)
+    try:
+        open_some(store)
+        store.close()  # says BYE
+        check_released(store, 2 * OBJ_BYTES)
+        # another client can rewrite the aborted key and evict the formerly leased ones
+        other = kvflow.SharedStore(socket=store.socket_path)
+        try:
+            assert not other.lookup(["pending"]).any()
+            assert (write_objects(other, {"pending": content("pending")}) == 0).all()
+        finally:
+            other.close()
+    finally:
+        dispose(store)
+
+
+def test_abrupt_disconnect_releases_a_clients_sessions() -> None:
+    store = ServedSharedStore(16 * OBJ_BYTES)
+    try:
+        open_some(store)
+        conn = store._conn
+        assert conn is not None
+        conn._sock.close()  # no BYE, as if the process died
+        check_released(store, 2 * OBJ_BYTES)
+    finally:
+        dispose(store)
+
+
+def test_raw_connection_close_without_bye_releases(server: PoolServer) -> None:
+    conn = PoolConnection(server.socket_path, 5.0)
+    try:
+        code, body = conn.request(p.Op.OPEN_WRITE, p.open_write_body(("x", "y"), OBJ_BYTES))
+        assert code == p.Code.OK
+        assert (p.parse_session(body, 2)[3] == WriteStatus.GRANTED).all()
+        assert server.stats()["pending_writes"] == 2
+    finally:
+        conn.close()
+        conn.unmap()
+    stats = wait_for_stats(server.stats, lambda s: s["clients"] == 0, 5, "the client to be gone")
+    assert (stats["pending_writes"], stats["used"], stats["released_on_disconnect"]) == (0, 0, 1)
+
+
+def test_lookup_of_4096_keys(server: PoolServer) -> None:
+    store = kvflow.SharedStore(socket=server.socket_path)
+    try:
+        keys = [f"many/{i:05d}" for i in range(4096)]
+        stored = np.random.default_rng(7).random(4096) < 0.3
+        size = 64
+        stored_keys = [k for k, s in zip(keys, stored, strict=True) if s]
+        write_objects(store, {k: content(k, size) for k in stored_keys})
+        assert store.server_stats()["objects"] == len(stored_keys)
+        found = store.lookup(keys)
+        assert found.dtype == bool and found.shape == (4096,)
+        np.testing.assert_array_equal(found, stored)
+        np.testing.assert_array_equal(store.lookup(keys[::-1]), stored[::-1])
+    finally:
+        store.close()
+
+
+def test_sessions_belong_to_their_connection(server: PoolServer) -> None:
+    """A connection cannot finish or close another connection's sessions."""
+    one = PoolConnection(server.socket_path, 5.0)
+    two = PoolConnection(server.socket_path, 5.0)
+    try:
+        code, body = one.request(p.Op.OPEN_WRITE, p.open_write_body(("mine",), OBJ_BYTES))
+        handle = p.parse_session(body, 1)[0]
+        code, _ = two.request(p.Op.FINISH_WRITE, p.finish_write_body(handle, np.ones(1, bool)))
+        assert code == p.Code.UNKNOWN_SESSION
+        code, _ = two.request(p.Op.CLOSE_READ, p.handle_body(handle))
+        assert code == p.Code.UNKNOWN_SESSION
+        code, _ = one.request(p.Op.CLOSE_READ, p.handle_body(handle))  # a write, not a read
+        assert code == p.Code.UNKNOWN_SESSION
+        assert server.stats()["pending_writes"] == 1
+        code, _ = one.request(p.Op.FINISH_WRITE, p.finish_write_body(handle, np.ones(1, bool)))
+        assert code == p.Code.OK
+        code, _ = one.request(p.Op.FINISH_WRITE, p.finish_write_body(handle, np.ones(1, bool)))
+        assert code == p.Code.UNKNOWN_SESSION
+        assert server.stats()["objects"] == 1
+    finally:
+        for conn in (one, two):
+            conn.goodbye()
+            conn.unmap()
+
+
+# -- a connection lost and replaced ------------------------------------------------------------
+
+
+def test_a_reply_is_read_against_the_connection_it_came_on() -> None:
+    """The server is replaced right after open_write has picked its connection: either the call
+    fails, or the session works end to end against the arena of the connection that carried
+    it; the new pool must not be left with an orphaned pending write."""
+    store = ServedSharedStore(1 << 20)
+    try:
+        real_connected = store._connected
+        replaced: list[bool] = []
+
+        def connected_then_restart() -> PoolConnection:
+            conn = real_connected()
+            if not replaced:
+                store.server.stop()
+                store.server = PoolServer(PoolConfig(socket=store.socket_path, capacity=1 << 20))
+                store.server.start()
+                replaced.append(True)
+            return conn
+
+        store._connected = connected_then_restart  # type: ignore[method-assign]
+        try:
+            session = store.open_write(["k"], OBJ_BYTES)
+        except kvflow.StoreUnavailableError:
+            session = None
+        store._connected = real_connected  # type: ignore[method-assign]
+        if session is None:  # the next call reconnects and works
+            session = store.open_write(["k"], OBJ_BYTES)
+        assert replaced
+        if session is not None:
+            assert session.granted.all()
+            conn = store._conn
+            assert conn is not None
+            assert conn.base <= int(session.addrs[0]) < conn.base + conn.capacity, (
+                f"address {int(session.addrs[0]):#x} outside the arena at {conn.base:#x}"
+            )
+            src = alloc_registered(store, OBJ_BYTES)
+            src[:] = content("k")
+            failed = store.batch_copy(
+                i64(session.addrs), i64([addr(src)]), i64([OBJ_BYTES]), Direction.TO_POOL
+            )
+            assert failed.size == 0
+            store.finish_write(session, np.ones(1, dtype=bool))
+            np.testing.assert_array_equal(read_objects(store, ["k"], OBJ_BYTES)["k"], content("k"))
+        assert store.server.stats()["pending_writes"] == 0
+    finally:
+        dispose(store)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FIXED_NOREPLACE = 0x100000
+
+
+def test_copies_for_a_lost_connection_fail_after_a_reconnect(sock_dir: str) -> None:
+    path = f"{sock_dir}/pool.sock"
+    capacity = 1 << 20
+    first = PoolServer(PoolConfig(socket=path, capacity=capacity))
+    first.start()
+    second = None
+    placeholder = None
+    store = kvflow.SharedStore(socket=path, retry_interval_s=0.05, timeout_s=2)
+    try:
+        write_objects(store, {"a": content("a")})
+        reading = store.open_read(["a"])
+        writing = store.open_write(["b"], OBJ_BYTES)
+        assert store._conn is not None
+        old_base = store._conn.base
+        first.stop()
+        with pytest.raises(kvflow.StoreUnavailableError):
+            store.lookup(["a"])  # drops the connection (and its mapping); nothing to reconnect to
+        # other memory of this process now lives where the old arena was mapped
+        got = _libc.mmap(
+            old_base,
+            capacity,
+            0,  # PROT_NONE
+            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+        if got in (None, ctypes.c_void_p(-1).value):
+            pytest.skip("could not map over the old arena's addresses")
+        placeholder = got
+        if got != old_base:
+            pytest.skip("the kernel placed the placeholder elsewhere")
+        second = PoolServer(PoolConfig(socket=path, capacity=capacity))
+        second.start()
+
+        def answers() -> bool:
+            try:
+                return not store.lookup(["a"]).any()
+            except kvflow.StoreUnavailableError:
+                return False
+
+        wait_until(answers, 5, "the store to reconnect")
+        assert store._conn is not None and store._conn.base != old_base
+        dst = alloc_registered(store, OBJ_BYTES)
+        for session, direction in ((reading, Direction.FROM_POOL), (writing, Direction.TO_POOL)):
+            failed = store.batch_copy(
+                i64(session.addrs[:1]), i64([addr(dst)]), i64([OBJ_BYTES]), direction
+            )
+            assert failed.tolist() == [0]
+    finally:
+        store.close()
+        if placeholder:
+            _libc.munmap(placeholder, capacity)
+        if second is not None:
+            second.stop()
+        first.stop()
