@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 from kvflow.errors import ConfigError
 
@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_PREFETCH_LAYERS",
     "DEFAULT_SAVE_BACKLOG",
     "EngineConfig",
+    "from_dict",
     "parse_size",
 ]
 
@@ -156,14 +157,23 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
         """Build from a plain dict; unknown keys are an error that lists the known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError("config", unknown, f"unknown keys; known keys are {sorted(known)}")
         values = dict(values)
-        if "copy_cpus" in values and values["copy_cpus"] is not None:
+        if values.get("copy_cpus") is not None:
             values["copy_cpus"] = tuple(values["copy_cpus"])
-        return cls(**values)
+        return from_dict(cls, values)
+
+
+C = TypeVar("C")
+
+
+def from_dict(cls: type[C], values: dict[str, Any]) -> C:
+    """The config dataclass ``cls`` from a plain dict; unknown keys are a ConfigError that
+    lists the known ones (every field is then validated by the class itself)."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError("config", unknown, f"unknown keys; known keys are {sorted(known)}")
+    return cls(**values)
 
 
 def _available_cpus() -> set[int]:

@@ -21,6 +21,7 @@ from kvflow.pool.server import PoolConfig
 __all__ = [
     "EXIT_RUNNING",
     "is_serving",
+    "serve_command",
     "spawn_server",
     "start_detached",
     "start_in_background",
@@ -43,21 +44,19 @@ def is_serving(path: str) -> bool:
     return True
 
 
+def serve_command(config: PoolConfig, *extra: str) -> list[str]:
+    """The ``kvflow serve`` command line for ``config`` (this interpreter, this kvflow)."""
+    return [
+        *(sys.executable, "-m", "kvflow", "serve", "--socket", config.socket),
+        *("--capacity", str(config.size), "--lease-ttl", repr(float(config.lease_ttl_s))),
+        *extra,
+    ]
+
+
 def spawn_server(config: PoolConfig) -> subprocess.Popen[bytes]:
     """Start ``kvflow serve`` for ``config`` in a new session, logging beside the socket."""
     ensure_private_directory(os.path.dirname(config.socket))
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvflow",
-        "serve",
-        "--socket",
-        config.socket,
-        "--capacity",
-        str(config.size),
-        "--lease-ttl",
-        repr(float(config.lease_ttl_s)),
-    ]
+    cmd = serve_command(config)
     log_path = sibling(config.socket, ".log")
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
@@ -107,21 +106,7 @@ def start_detached(config: PoolConfig, timeout_s: float) -> int:
 def start_in_background(config: PoolConfig, timeout_s: float) -> None:
     """From a client: run ``kvflow serve --detach`` and wait for it. The server is its child,
     not ours, so this process holds no handle on it and it outlives us."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvflow",
-        "serve",
-        "--detach",
-        "--socket",
-        config.socket,
-        "--capacity",
-        str(config.size),
-        "--lease-ttl",
-        repr(float(config.lease_ttl_s)),
-        "--start-timeout",
-        repr(float(timeout_s)),
-    ]
+    cmd = serve_command(config, "--detach", "--start-timeout", repr(float(timeout_s)))
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout_s + 10, check=False)
     except subprocess.TimeoutExpired as exc:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.config import _positive_float, parse_size
+from kvflow.config import _positive_float, from_dict, parse_size
 from kvflow.errors import (
     ClosedError,
     ConfigError,
@@ -86,11 +86,8 @@ class SharedStoreConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SharedStoreConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError("config", unknown, f"unknown keys; known keys are {sorted(known)}")
-        return cls(**values)
+        """Build from a plain dict; unknown keys are an error that lists the known ones."""
+        return from_dict(cls, values)
 
 
 @dataclass(eq=False)

@@ -22,7 +22,7 @@ import kvflow
 from kvflow import Direction, WriteStatus
 from kvflow.pool import PoolConfig, PoolServer
 from kvflow.pool import protocol as p
-from kvflow.pool.client import PoolConnection
+from kvflow.pool.client import PoolConnection, _libc
 from tests.conftest import make_caches
 from tests.pool.conftest import greet, read_to_eof, recv_exact, wait_for_stats, wait_until
 from tests.pools import ServedSharedStore, dispose
@@ -580,17 +580,6 @@ def test_a_reply_is_read_against_the_connection_it_came_on() -> None:
         dispose(store)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FIXED_NOREPLACE = 0x100000
 
 
