@@ -35,6 +35,13 @@ def add_commands(commands: Any) -> None:
     serve.add_argument(
         "--allow-uid", type=int, action="append", default=[], help="also accept this uid"
     )
+    serve.add_argument(
+        "--socket-mode",
+        type=lambda text: int(text, 8),
+        default=0o600,
+        help="socket permission bits, octal (0600; other uids need e.g. 0666 and a directory "
+        "they may traverse)",
+    )
     serve.add_argument("--detach", action="store_true", help="run in the background")
     serve.add_argument("--start-timeout", type=float, default=120.0, help="with --detach")
     serve.set_defaults(handler=_serve)
@@ -56,6 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         lease_ttl_s=args.lease_ttl,
         allow_uids=tuple(args.allow_uid),
+        socket_mode=args.socket_mode,
     )
     if args.detach:
         pid = start_detached(config, args.start_timeout)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import select
 import socket
+import stat
+import struct
 import time
 
 from kvflow.errors import ProtocolError, StoreError, StoreUnavailableError
@@ -35,20 +38,40 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MAP_FIXED = 0x10  # Linux
+_PROT_NONE = 0
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_PEERCRED = struct.Struct("3i")
 
 Reply = tuple[p.Code, bytes]
 
 
 class PoolConnection:
-    """Connect to ``path``, say HELLO, receive and map the arena (``base``, ``capacity``)."""
+    """Connect to ``path``, check who serves it, say HELLO, receive and map the arena
+    (``base``, ``capacity``).
 
-    def __init__(self, path: str, timeout_s: float, *, populate: bool = False) -> None:
+    The server must run as this process's uid (or one of ``trusted_uids``), and the socket's
+    directory must belong to it and be writable by nobody else: a pool another user planted
+    on the path is refused (StoreUnavailableError), never written to or read from.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        timeout_s: float,
+        *,
+        populate: bool = False,
+        trusted_uids: tuple[int, ...] = (),
+    ) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self.broken = False
         self.base = 0
         self.capacity = 0
+        self.retired = False
         self._next_id = 1
+        _check_directory(path, trusted_uids)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
@@ -58,6 +81,7 @@ class PoolConnection:
             raise StoreUnavailableError(f"no kvflow pool server on {path}: {exc}") from exc
         self._sock = sock
         try:
+            _check_peer(sock, path, trusted_uids)
             self.hello = self._greet(populate)
         except BaseException:
             self.close()
@@ -81,6 +105,9 @@ class PoolConnection:
             if len(fds) != 1:
                 raise ProtocolError("HELLO reply came without the arena")
             size = os.fstat(fds[0]).st_size
+            seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+            if seals & _SEALS != _SEALS:
+                raise ProtocolError("the arena is not sealed against resizing")
             if size != hello.capacity:
                 raise ProtocolError(f"arena of {size} bytes, server said {hello.capacity}")
             self.base = map_shared(fds[0], size, populate)
@@ -165,6 +192,16 @@ class PoolConnection:
         with contextlib.suppress(OSError):
             self._sock.close()
 
+    def retire(self) -> None:
+        """Give the arena's memory back but keep its address range reserved (no access), so
+        no later mapping can land where stale addresses point. ``unmap()`` frees the range."""
+        if self.base and not self.retired:
+            flags = _MAP_FIXED | mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+            got = _libc.mmap(self.base, self.capacity, _PROT_NONE, flags, -1, 0)
+            if got != self.base:  # cannot happen with MAP_FIXED; never leave the range open
+                raise StoreError(f"cannot reserve the old arena: {os.strerror(ctypes.get_errno())}")
+            self.retired = True
+
     def unmap(self) -> None:
         if self.base:
             unmap(self.base, self.capacity)
@@ -209,3 +246,30 @@ def query_stats(path: str, timeout_s: float) -> dict[str, int]:
     if code != p.Code.OK:
         raise StoreError(f"stats: pool replied {code.name}", int(code))
     return p.parse_stats(body)
+
+
+def _check_directory(path: str, trusted: tuple[int, ...]) -> None:
+    """The socket's directory must be the server's own: owned by us (or a trusted uid) and
+    writable by nobody else. Checked without creating anything."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        info = os.lstat(directory)
+    except OSError as exc:
+        raise StoreUnavailableError(f"no kvflow pool server on {path}: {exc}") from exc
+    if not stat.S_ISDIR(info.st_mode) or (
+        info.st_uid != os.getuid() and info.st_uid not in trusted
+    ):
+        raise StoreUnavailableError(
+            f"refusing the pool on {path}: its directory belongs to uid {info.st_uid}"
+        )
+    if info.st_mode & 0o022:
+        mode = stat.S_IMODE(info.st_mode)
+        raise StoreUnavailableError(f"refusing the pool on {path}: its directory is mode {mode:o}")
+
+
+def _check_peer(sock: socket.socket, path: str, trusted: tuple[int, ...]) -> None:
+    _, uid, _ = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    if uid != os.getuid() and uid not in trusted:
+        raise StoreUnavailableError(f"refusing the pool on {path}: its server runs as uid {uid}")

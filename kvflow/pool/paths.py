@@ -33,9 +33,10 @@ def default_socket() -> str:
 def check_socket_path(path: str) -> str:
     if not isinstance(path, str) or not path:
         raise ConfigError("socket", path, "must be a non-empty path")
+    path = os.path.abspath(path)
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
         raise ConfigError("socket", path, f"is longer than {_MAX_SOCKET_PATH} bytes")
-    return os.path.abspath(path)
+    return path
 
 
 def sibling(socket_path: str, suffix: str) -> str:
@@ -53,7 +54,7 @@ def ensure_private_directory(directory: str) -> None:
         raise ConfigError("socket", directory, "its directory is not a directory (a symlink?)")
     if info.st_uid != os.getuid():
         raise ConfigError("socket", directory, f"its directory belongs to uid {info.st_uid}")
-    if info.st_mode & 0o022:
+    if info.st_mode & 0o022:  # 0711 (others may traverse, for --allow-uid) is fine
         raise ConfigError(
             "socket",
             directory,

@@ -197,10 +197,11 @@ def encode_keys(keys: tuple[str, ...] | list[str]) -> bytes:
     except (UnicodeEncodeError, AttributeError) as exc:
         raise InvalidArgumentError("keys", keys, "keys must be strings encodable as UTF-8") from exc
     if len(raw) > MAX_KEYS:
-        raise ProtocolError(f"{len(raw)} keys in one call (limit {MAX_KEYS})")
+        raise InvalidArgumentError("keys", len(raw), f"more than {MAX_KEYS} keys in one call")
     lengths = np.fromiter((len(b) for b in raw), dtype=np.int64, count=len(raw))
     if len(raw) and int(lengths.max()) > MAX_KEY_BYTES:
-        raise ProtocolError(f"a key of {int(lengths.max())} bytes (limit {MAX_KEY_BYTES})")
+        longest = keys[int(lengths.argmax())]
+        raise InvalidArgumentError("keys", longest, f"a key is limited to {MAX_KEY_BYTES} bytes")
     return _U32.pack(len(raw)) + lengths.astype("<u2").tobytes() + b"".join(raw)
 
 

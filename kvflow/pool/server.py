@@ -1,7 +1,8 @@
 """PoolServer: the node-local pool. It owns the arena and its index; clients copy the bytes.
 
-The arena is a sealed-size memfd (mode 0600, never a named file) whose memory is allocated at
-start (``posix_fallocate``), so a client's copy can never fault on a full tmpfs. Clients receive
+The arena is a memfd (mode 0600, never a named file) sealed against resizing, whose memory is
+allocated and cleared at start, so a client's copy can never fault on a full tmpfs and no
+client can shrink it under the others. Clients receive
 its file descriptor once, in the HELLO reply (SCM_RIGHTS), map it, and from then on send only
 metadata: lookup, open for write or read, commit or abort, release.
 
@@ -13,9 +14,10 @@ session is told EXPIRED. Pending writes never expire while their client lives: t
 still be being written.
 
 Concurrency: one thread accepts, one thread serves each connection (blocking reads of one frame
-at a time), one thread expires leases; the index is guarded by one lock held for the few
-microseconds a request takes. A malformed or oversized message, or a peer of another uid, closes
-that connection only, with a logged reason.
+at a time), one thread expires leases; the index is guarded by one lock, held while a request
+is applied (microseconds per key). ``stop()`` is idempotent and may be called from any thread
+or a signal handler's thread; connections accepted while it runs are refused. A malformed or
+oversized message, or a peer of another uid, closes that connection only, with a logged reason.
 """
 
 from __future__ import annotations
@@ -153,20 +155,26 @@ class PoolServer:
         path = self.config.socket
         ensure_private_directory(os.path.dirname(path))
         self._lock_fd = _take_lock(sibling(path, ".lock"))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bound = False
         try:
             self._arena_fd = _make_arena(self.config.size)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # a dead server's socket: we hold the lock, so it is stale
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old = os.umask(0o177)
             try:
                 listener.bind(path)
+                bound = True
             finally:
                 os.umask(old)
             os.chmod(path, self.config.socket_mode)
             listener.listen(128)
             _write_private(sibling(path, ".pid"), f"{os.getpid()}\n")
         except BaseException:
+            listener.close()
+            if bound:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             self._release_files()
             raise
         self._listener = listener
@@ -196,7 +204,9 @@ class PoolServer:
         for client in clients:
             with contextlib.suppress(OSError):
                 client.sock.shutdown(socket.SHUT_RDWR)
-        for thread in self._threads:
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
         self._release_files()
@@ -220,8 +230,9 @@ class PoolServer:
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads = [t for t in self._threads if t.is_alive()]
-        self._threads.append(thread)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
         thread.start()
 
     def _accept_loop(self) -> None:
@@ -281,6 +292,8 @@ class PoolServer:
             log.warning("kvflow pool: refusing a peer without credentials: %s", exc)
             return None
         with self._lock:
+            if self._stopped.is_set():
+                return None
             if uid != os.getuid() and uid not in self.config.allow_uids:
                 self._counters["refused_peers"] += 1
                 log.warning("kvflow pool: refusing pid %d of uid %d (not allowed)", pid, uid)
@@ -352,7 +365,6 @@ class PoolServer:
                 raise
             if request.op == p.Op.HELLO:
                 greeted = True
-                client.pid = request.pid or client.pid
                 body = p.hello_reply(
                     p.Hello(self.config.size, self.instance, int(self.config.lease_ttl_s * 1000))
                 )
@@ -472,11 +484,15 @@ def _make_arena(size: int) -> int:
     but leaves them to be cleared on their first fault; writing-faulting them here once pays
     that now, so a client's first touch of a page is a minor fault, not a page clear.
     """
-    fd = os.memfd_create("kvflow-pool", os.MFD_CLOEXEC)
+    fd = os.memfd_create("kvflow-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, 0o600)
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
+        # no client may resize it: a shrink would fault every process that maps it
+        fcntl.fcntl(
+            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        )
         unmap(map_shared(fd, size, populate=True), size)
     except (OSError, StoreError) as exc:
         os.close(fd)

@@ -51,7 +51,9 @@ class ArenaIndex:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: dict[str, _Entry] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # committed, unleased: evictable
+        # committed, unleased objects (evictable), oldest first, one LRU per slot size: finding
+        # a victim of the size needed is O(1) whatever else the arena holds
+        self._lru: dict[int, OrderedDict[str, None]] = {}
         self._free: dict[int, list[int]] = {}
         self._bump = 0
         self._sessions: dict[int, _Session] = {}
@@ -70,7 +72,7 @@ class ArenaIndex:
             if entry is not None and entry.committed:
                 found[i] = True
                 if entry.leases == 0:
-                    self._lru.move_to_end(key)
+                    self._lru_of(entry).move_to_end(key)
         hits = int(found.sum())
         self.hits += hits
         self.misses += len(keys) - hits
@@ -103,7 +105,7 @@ class ArenaIndex:
             entry = self._entries.get(key)
             if entry is not None:
                 if entry.committed and entry.leases == 0:
-                    self._lru.move_to_end(key)
+                    self._lru_of(entry).move_to_end(key)
                 continue
             offset = self._allocate(nbytes)
             if offset is None:
@@ -127,7 +129,7 @@ class ArenaIndex:
             if pos < len(ok) and ok[pos]:
                 entry.committed = True
                 self._objects += 1
-                self._lru[key] = None
+                self._lru_of(entry)[key] = None
             else:
                 self._drop(key)
 
@@ -145,7 +147,7 @@ class ArenaIndex:
                 continue
             entry.leases += 1
             self._leases += 1
-            self._lru.pop(key, None)
+            self._lru_of(entry).pop(key, None)
             session.keys.append(key)
             offsets[i] = entry.offset
             sizes[i] = entry.size
@@ -158,7 +160,7 @@ class ArenaIndex:
             entry.leases -= 1
             self._leases -= 1
             if entry.leases == 0:
-                self._lru[key] = None
+                self._lru_of(entry)[key] = None
 
     def release_all(self) -> None:
         """Abort every pending write and release every lease (the owner is going away)."""
@@ -192,21 +194,26 @@ class ArenaIndex:
             offset = self._bump
             self._bump += slot
             return offset
-        for key in self._lru:  # oldest first; evict one object of the same slot size
-            entry = self._entries[key]
-            if slot_bytes(entry.size) == slot:
-                offset = entry.offset
-                self._lru.pop(key)
-                del self._entries[key]
-                self._used -= entry.size
-                self._objects -= 1
-                self.evictions += 1
-                return offset
+        lru = self._lru.get(slot)
+        if lru:  # the least recently used object of this slot size
+            key, _ = lru.popitem(last=False)
+            entry = self._entries.pop(key)
+            self._used -= entry.size
+            self._objects -= 1
+            self.evictions += 1
+            return entry.offset
         return None
+
+    def _lru_of(self, entry: _Entry) -> OrderedDict[str, None]:
+        slot = slot_bytes(entry.size)
+        lru = self._lru.get(slot)
+        if lru is None:
+            lru = self._lru[slot] = OrderedDict()
+        return lru
 
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key)
-        self._lru.pop(key, None)
+        self._lru_of(entry).pop(key, None)
         self._used -= entry.size
         slot = slot_bytes(entry.size)
         self._free.setdefault(slot, []).append(entry.offset)

@@ -152,6 +152,8 @@ class Store(ABC):
 
 @runtime_checkable
 class SupportsUsage(Protocol):
-    """A store that can report its occupancy (used by stats and leak checks)."""
+    """A store that can report its occupancy (used by stats and leak checks). ``usage()`` may
+    be a round trip (SharedStore asks its server) and then raises StoreUnavailableError when
+    the pool cannot be reached."""
 
     def usage(self) -> StoreUsage: ...

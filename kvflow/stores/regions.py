@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 
@@ -10,7 +11,7 @@ import numpy as np
 from kvflow._validate import merge_spans
 from kvflow.errors import InvalidArgumentError
 
-__all__ = ["LocalRegions", "check_copy_arrays", "inside_spans"]
+__all__ = ["HeldSpans", "LocalRegions", "check_copy_arrays", "in_range", "inside_spans"]
 
 
 def check_copy_arrays(pool: np.ndarray, local: np.ndarray, sizes: np.ndarray) -> None:
@@ -63,3 +64,66 @@ class LocalRegions:
             raise InvalidArgumentError(
                 "local_addrs", hex(bad), "outside every registered region (call register())"
             )
+
+
+def in_range(base: int, size: int, addrs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per range: whether ``[addr, addr + size)`` lies inside ``[base, base + size)``."""
+    room = base + size - addrs  # compare with the room left, never addr + size (wraps)
+    inside: np.ndarray = (addrs >= base) & (addrs <= base + size) & (sizes <= room)
+    return inside
+
+
+class HeldSpans:
+    """Memory a client holds in a pool, per session: sorted arrays for vectorised checks.
+
+    Each session adds ``[starts[i], ends[i])`` spans with one deadline (``inf`` for write
+    grants) and an ``owner`` (its connection), so every span of a lost connection goes at once.
+    Not thread-safe: the owner serialises calls.
+    """
+
+    def __init__(self) -> None:
+        self._by_handle: dict[int, tuple[np.ndarray, np.ndarray, float, object]] = {}
+        self._starts = self._ends = np.zeros(0, dtype=np.int64)
+        self._deadlines = np.zeros(0)
+
+    def add(
+        self, handle: int, starts: np.ndarray, ends: np.ndarray, deadline: float, owner: object
+    ) -> None:
+        self._by_handle[handle] = (starts, ends, deadline, owner)
+        self._rebuild()
+
+    def remove(self, handle: int) -> None:
+        if self._by_handle.pop(handle, None) is not None:
+            self._rebuild()
+
+    def drop(self, owner: object) -> None:
+        self._by_handle = {h: v for h, v in self._by_handle.items() if v[3] is not owner}
+        self._rebuild()
+
+    def cover(
+        self, addrs: np.ndarray, sizes: np.ndarray, now: float | None
+    ) -> tuple[np.ndarray, float]:
+        """Per range: inside one held span (and, given ``now``, before its deadline); and the
+        earliest deadline among the spans covering the ranges."""
+        starts = self._starts
+        if starts.size == 0 or addrs.size == 0:
+            return np.zeros(addrs.shape, dtype=bool), math.inf
+        idx = np.maximum(np.searchsorted(starts, addrs, side="right") - 1, 0)
+        inside: np.ndarray = (starts[idx] <= addrs) & (sizes <= self._ends[idx] - addrs)
+        if now is None:
+            return inside, math.inf
+        deadlines = self._deadlines[idx]
+        inside &= deadlines > now
+        return inside, float(deadlines[inside].min()) if inside.any() else math.inf
+
+    def _rebuild(self) -> None:
+        held = list(self._by_handle.values())
+        if not held:
+            self._starts = self._ends = np.zeros(0, dtype=np.int64)
+            self._deadlines = np.zeros(0)
+            return
+        starts = np.concatenate([h[0] for h in held])
+        ends = np.concatenate([h[1] for h in held])
+        deadlines = np.concatenate([np.full(h[0].size, h[2]) for h in held])
+        order = np.lexsort((deadlines, starts))  # one object leased twice: later deadline last
+        self._starts, self._ends, self._deadlines = starts[order], ends[order], deadlines[order]

@@ -18,10 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.config import _positive_float, from_dict, parse_size
 from kvflow.errors import (
     ClosedError,
-    ConfigError,
     InvalidArgumentError,
     KVFlowError,
     StoreError,
@@ -30,11 +28,10 @@ from kvflow.errors import (
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection, query_stats
 from kvflow.pool.launch import start_in_background
-from kvflow.pool.paths import check_socket_path, default_socket
-from kvflow.pool.server import DEFAULT_CAPACITY, DEFAULT_LEASE_TTL_S, PoolConfig
 from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
 from kvflow.stores.copyloop import NATIVE, copy_ranges
-from kvflow.stores.regions import LocalRegions, check_copy_arrays
+from kvflow.stores.regions import HeldSpans, LocalRegions, check_copy_arrays, in_range
+from kvflow.stores.shared_config import SharedStoreConfig
 
 __all__ = ["SharedStore", "SharedStoreConfig"]
 
@@ -42,52 +39,6 @@ log = logging.getLogger("kvflow")
 
 _LEASE_MARGIN = 0.1  # a lease counts as lost this share of its time limit before the server's
 _DRAIN_TIMEOUT_S = 5.0  # how long a dropped connection waits for copies still running
-_PAST_ARENAS = 8  # arenas of lost connections whose addresses still mean "lost", not "bad"
-
-
-@dataclass(frozen=True)
-class SharedStoreConfig:
-    """How a SharedStore reaches its server.
-
-    Fields:
-        socket: the server's socket (default: ``$KVFLOW_POOL_SOCKET`` or
-            ``/dev/shm/kvflow-<uid>/pool.sock``).
-        timeout_s: each request (and the connect) may take this long; then the pool counts as
-            down until it answers again.
-        retry_interval_s: after a failed connect, calls fail at once (store down) for this long
-            before the next attempt.
-        auto_start: start a server if none listens (many clients may race: one server wins).
-        capacity, lease_ttl_s: the settings of a server this client starts.
-        start_timeout_s: how long to wait for a server this client started.
-        populate: map the whole arena into this process at connect (slower connect, no page
-            faults on first copies).
-    """
-
-    socket: str = ""
-    timeout_s: float = 5.0
-    retry_interval_s: float = 0.5
-    auto_start: bool = False
-    capacity: int | str = DEFAULT_CAPACITY
-    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
-    start_timeout_s: float = 60.0
-    populate: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "socket", check_socket_path(self.socket or default_socket()))
-        for name in ("timeout_s", "retry_interval_s", "lease_ttl_s", "start_timeout_s"):
-            _positive_float(name, getattr(self, name))
-        object.__setattr__(self, "capacity", parse_size(self.capacity, argument="capacity"))
-        for name in ("auto_start", "populate"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, getattr(self, name), "must be true or false")
-
-    def server_config(self) -> PoolConfig:
-        return PoolConfig(socket=self.socket, capacity=self.capacity, lease_ttl_s=self.lease_ttl_s)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> SharedStoreConfig:
-        """Build from a plain dict; unknown keys are an error that lists the known ones."""
-        return from_dict(cls, values)
 
 
 @dataclass(eq=False)
@@ -125,7 +76,7 @@ class SharedStore(Store):
     def __init__(self, config: SharedStoreConfig | None = None, **options: Any) -> None:
         if config is not None and options:
             raise InvalidArgumentError("options", sorted(options), "give a config or options")
-        self.config = config or SharedStoreConfig(**options)
+        self.config = config or SharedStoreConfig.from_dict(options)
         self._native_copy = NATIVE
         self._regions = LocalRegions()
         self._lock = threading.RLock()  # metadata: one request at a time, connection changes
@@ -133,12 +84,13 @@ class SharedStore(Store):
         self._conn: PoolConnection | None = None
         self._sessions: dict[int, _Session] = {}
         self._next_handle = 1
-        self._write_spans = _Spans()
-        self._read_spans = _Spans()
+        self._write_spans = HeldSpans()
+        self._read_spans = HeldSpans()
         self._in_flight = 0
         self._retry_at = 0.0
         self._closed = False
-        self._past_arenas: list[tuple[int, int]] = []  # (base, size) of dropped connections
+        self._past: list[PoolConnection] = []  # dropped: arena range kept reserved, no access
+        self._parked: list[PoolConnection] = []  # dropped while a copy still ran
         self.reconnects = 0
         try:
             with self._lock:
@@ -173,7 +125,9 @@ class SharedStore(Store):
             granted = status == WriteStatus.GRANTED
             addrs = np.where(granted, offsets + conn.base, 0)
             local = self._add(
-                _Session(conn, handle, True, addrs[granted], addrs[granted] + sizes[granted], 0.0)
+                _Session(
+                    conn, handle, True, addrs[granted], addrs[granted] + sizes[granted], math.inf
+                )
             )
         return WriteSession(local, keys, addrs, status.astype(np.int8))
 
@@ -236,7 +190,7 @@ class SharedStore(Store):
                 raise ClosedError("SharedStore")
             if conn is None:
                 raise StoreUnavailableError("the pool server is not connected")
-            _check_arena(conn, self._past_arenas, pool_addrs, sizes)
+            _check_arena(conn, self._past, pool_addrs, sizes)
             held, deadline = self._held(pool_addrs, sizes, reading)
             self._in_flight += 1
         try:
@@ -251,7 +205,11 @@ class SharedStore(Store):
             with self._cond:
                 self._in_flight -= 1
                 self._cond.notify_all()
-        if reading and (self._conn is not conn or time.monotonic() >= deadline):
+                parked = self._parked if self._in_flight == 0 else []
+                self._parked = [] if parked else self._parked
+            for old in parked:  # the last straggler is out: their sockets may close now
+                self._finish_drop(old)
+        if reading and (self._conn is not conn or time.monotonic() >= deadline or conn.peer_gone()):
             held[:] = False  # the leases must still hold now that the bytes are in
         failed: np.ndarray = np.flatnonzero(~held)
         return failed
@@ -324,12 +282,16 @@ class SharedStore(Store):
     def _connect(self) -> PoolConnection:
         cfg = self.config
         try:
-            conn = PoolConnection(cfg.socket, cfg.timeout_s, populate=cfg.populate)
+            conn = PoolConnection(
+                cfg.socket, cfg.timeout_s, populate=cfg.populate, trusted_uids=cfg.server_uids
+            )
         except StoreUnavailableError:
             if not cfg.auto_start:
                 raise
             start_in_background(cfg.server_config(), cfg.start_timeout_s)
-            conn = PoolConnection(cfg.socket, cfg.timeout_s, populate=cfg.populate)
+            conn = PoolConnection(
+                cfg.socket, cfg.timeout_s, populate=cfg.populate, trusted_uids=cfg.server_uids
+            )
         if self._sessions or self.reconnects or self._retry_at:
             log.info("kvflow: connected to the pool on %s", cfg.socket)
         self.reconnects += 1
@@ -351,28 +313,44 @@ class SharedStore(Store):
         return conn, code, reply
 
     def _drop(self, conn: PoolConnection, why: str) -> None:
-        """Forget a connection: no new copy may use it, copies in flight finish, then the
-        socket closes (the server releases its sessions) and the arena is unmapped."""
+        """Forget a connection: no new copy may use it; once the copies in flight are out,
+        the socket closes (the server then releases its sessions) and the arena's memory goes,
+        its address range staying reserved while a session still holds addresses in it.
+        A copy still running after the drain timeout keeps the socket open (so the server
+        hands none of its slots to anyone) until it returns."""
         with self._cond:
             if self._conn is conn:
                 self._conn = None
             self._write_spans.drop(conn)
             self._read_spans.drop(conn)
-            if conn.base:
-                past = (conn.base, conn.capacity)
-                self._past_arenas = [*self._past_arenas[-(_PAST_ARENAS - 1) :], past]
             drained = self._cond.wait_for(lambda: self._in_flight == 0, _DRAIN_TIMEOUT_S)
-        conn.goodbye() if self._closed else conn.close()
+            if not drained:
+                self._parked.append(conn)
         if drained:
-            conn.unmap()
-        else:  # a copy still runs: leave the mapping (memory) rather than fault under it
+            self._finish_drop(conn)
+        else:
             log.error(
-                "kvflow: copies still running after %g s; the old arena stays mapped",
-                _DRAIN_TIMEOUT_S,
+                "kvflow: a copy still runs after %g s; the old connection waits", _DRAIN_TIMEOUT_S
             )
         if not self._closed:
             log.warning("kvflow: shared pool connection lost: %s", why)
             self._retry_at = 0.0
+
+    def _finish_drop(self, conn: PoolConnection) -> None:
+        conn.goodbye() if self._closed else conn.close()
+        conn.retire()
+        with self._cond:
+            self._past.append(conn)
+        self._forget_past()
+
+    def _forget_past(self) -> None:
+        """Free the reserved ranges of dropped connections no session refers to any more."""
+        with self._cond:
+            live = {id(s.conn) for s in list(self._sessions.values())}
+            gone = [c for c in self._past if id(c) not in live]
+            self._past = [c for c in self._past if id(c) in live]
+        for conn in gone:
+            conn.unmap()
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -380,8 +358,9 @@ class SharedStore(Store):
         handle = self._next_handle
         self._next_handle += 1
         self._sessions[handle] = session
+        spans = self._write_spans if session.writing else self._read_spans
         with self._cond:
-            (self._write_spans if session.writing else self._read_spans).add(handle, session)
+            spans.add(handle, session.starts, session.ends, session.deadline, session.conn)
         return handle
 
     def _pop(self, handle: int) -> _Session | None:
@@ -393,6 +372,8 @@ class SharedStore(Store):
             raise InvalidArgumentError("session", handle, "unknown or already finished session")
         with self._cond:
             (self._write_spans if session.writing else self._read_spans).remove(handle)
+        if self._past:
+            self._forget_past()
         return session
 
     def _end(self, s: _Session, op: p.Op, body: bytes) -> tuple[p.Code, bytes]:
@@ -411,74 +392,18 @@ class SharedStore(Store):
 
 
 def _check_arena(
-    conn: PoolConnection, past: list[tuple[int, int]], pool: np.ndarray, sizes: np.ndarray
+    conn: PoolConnection, past: list[PoolConnection], pool: np.ndarray, sizes: np.ndarray
 ) -> None:
     """Refuse ranges outside the mapped arena (bad input, not a store failure). Ranges inside
-    an arena of an earlier connection (``past``: ``(base, size)``) pass: they belong to
-    sessions the pool lost, which the lease checks then fail."""
+    the reserved range of a dropped connection's arena pass: they belong to sessions the pool
+    lost, which the lease checks then fail."""
     if pool.size == 0:
         return
-    outside = ~_within(conn.base, conn.capacity, pool, sizes)
-    if not outside.any():
-        return
-    for base, size in past:
-        outside &= ~_within(base, size, pool, sizes)
+    outside = ~in_range(conn.base, conn.capacity, pool, sizes)
+    for old in past:
+        if not outside.any():
+            return
+        outside &= ~in_range(old.base, old.capacity, pool, sizes)
     if outside.any():
         bad = hex(int(pool[outside][0]))
         raise InvalidArgumentError("pool_addrs", bad, "outside the pool's arena")
-
-
-def _within(base: int, size: int, pool: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    # compare sizes with the room left, never addr + size, which can wrap past 2**63
-    room = base + size - pool
-    inside: np.ndarray = (pool >= base) & (pool <= base + size) & (sizes <= room)
-    return inside
-
-
-class _Spans:
-    """The pool memory a client's open sessions hold, as sorted arrays for vectorised checks."""
-
-    def __init__(self) -> None:
-        self._by_handle: dict[int, _Session] = {}
-        self._starts = self._ends = np.zeros(0, dtype=np.int64)
-        self._deadlines_f = np.zeros(0)
-
-    def add(self, handle: int, session: _Session) -> None:
-        self._by_handle[handle] = session
-        self._rebuild()
-
-    def remove(self, handle: int) -> None:
-        if self._by_handle.pop(handle, None) is not None:
-            self._rebuild()
-
-    def drop(self, conn: PoolConnection) -> None:
-        self._by_handle = {h: s for h, s in self._by_handle.items() if s.conn is not conn}
-        self._rebuild()
-
-    def cover(
-        self, addrs: np.ndarray, sizes: np.ndarray, now: float | None
-    ) -> tuple[np.ndarray, float]:
-        """Per range: inside one held object (and, given ``now``, before its lease's deadline);
-        and the earliest deadline among the objects covering the ranges."""
-        starts = self._starts
-        if starts.size == 0 or addrs.size == 0:
-            return np.zeros(addrs.shape, dtype=bool), math.inf
-        idx = np.maximum(np.searchsorted(starts, addrs, side="right") - 1, 0)
-        inside: np.ndarray = (starts[idx] <= addrs) & (sizes <= self._ends[idx] - addrs)
-        if now is None:
-            return inside, math.inf
-        deadlines = self._deadlines_f[idx]
-        inside &= deadlines > now
-        return inside, float(deadlines[inside].min()) if inside.any() else math.inf
-
-    def _rebuild(self) -> None:
-        sessions = list(self._by_handle.values())
-        if not sessions:
-            self._starts = self._ends = np.zeros(0, dtype=np.int64)
-            self._deadlines_f = np.zeros(0)
-            return
-        starts = np.concatenate([s.starts for s in sessions])
-        ends = np.concatenate([s.ends for s in sessions])
-        deadlines = np.concatenate([np.full(s.starts.size, s.deadline) for s in sessions])
-        order = np.lexsort((deadlines, starts))  # a key leased twice: the later deadline last
-        self._starts, self._ends, self._deadlines_f = starts[order], ends[order], deadlines[order]

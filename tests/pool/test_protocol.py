@@ -239,12 +239,16 @@ def test_object_sizes_out_of_range_are_refused(nbytes: int) -> None:
 
 
 def test_encoders_refuse_what_the_decoder_would() -> None:
-    with pytest.raises(kvflow.ProtocolError):
-        p.encode_keys(["k" * (MAX_KEY_BYTES + 1)])
-    with pytest.raises(kvflow.ProtocolError):
-        p.encode_keys(["é" * (MAX_KEY_BYTES // 2 + 1)])  # 2 bytes a character
-    with pytest.raises(kvflow.ProtocolError):
-        p.encode_keys([""] * (MAX_KEYS + 1))
+    """The caller's bad keys: a typed error naming the argument, before anything is sent."""
+    for keys in (
+        ["k" * (MAX_KEY_BYTES + 1)],
+        ["é" * (MAX_KEY_BYTES // 2 + 1)],  # 2 bytes a character
+        [""] * (MAX_KEYS + 1),
+        ["\ud800"],  # a lone surrogate cannot be UTF-8
+    ):
+        with pytest.raises(kvflow.InvalidArgumentError) as info:
+            p.encode_keys(keys)
+        assert info.value.argument == "keys"
 
 
 def test_reply_parsers_refuse_malformed_replies() -> None:

@@ -4,8 +4,6 @@ too many clients), lease expiry, and release of a client's sessions when it leav
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import mmap
 import os
 import shutil
 import socket
@@ -22,7 +20,7 @@ import kvflow
 from kvflow import Direction, WriteStatus
 from kvflow.pool import PoolConfig, PoolServer
 from kvflow.pool import protocol as p
-from kvflow.pool.client import PoolConnection, _libc
+from kvflow.pool.client import PoolConnection
 from tests.conftest import make_caches
 from tests.pool.conftest import greet, read_to_eof, recv_exact, wait_for_stats, wait_until
 from tests.pools import ServedSharedStore, dispose
@@ -79,6 +77,38 @@ def test_socket_directory_and_arena_are_private(sock_dir: str) -> None:
     # stopped: the socket and pid file are gone (the lock file may stay)
     assert not os.path.exists(path)
     assert not os.path.exists(path + ".pid")
+
+
+def test_the_arena_is_sealed_against_resizing(sock_dir: str) -> None:
+    """A client cannot shrink (or grow) the arena under the other clients."""
+    path = f"{sock_dir}/pool.sock"
+    with PoolServer(PoolConfig(socket=path, capacity="4MiB")), greet(path) as conn:
+        fd = conn.fds[0]
+        for size in (0, 1 << 20, 8 << 20):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        assert os.fstat(fd).st_size == 4 << 20
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another uid needs root")
+def test_a_client_refuses_a_pool_another_user_planted(sock_dir: str) -> None:
+    """A server in a directory of another uid (someone squatting the path) is never used: the
+    store starts out down, and says so, rather than write KV into another user's memory."""
+    path = f"{sock_dir}/pool.sock"
+    with PoolServer(PoolConfig(socket=path, capacity="4MiB")):
+        os.chown(sock_dir, NOBODY, -1)
+        try:
+            with pytest.raises(kvflow.StoreUnavailableError, match="belongs to uid"):
+                PoolConnection(path, 2.0)
+            store = kvflow.SharedStore(socket=path, timeout_s=2)
+            with pytest.raises(kvflow.StoreUnavailableError):
+                store.lookup(["a"])
+            store.close()
+            trusting = kvflow.SharedStore(socket=path, timeout_s=2, server_uids=(NOBODY,))
+            assert not trusting.lookup(["a"]).any()
+            trusting.close()
+        finally:
+            os.chown(sock_dir, os.getuid(), -1)
 
 
 def test_directory_writable_by_others_is_refused(sock_dir: str) -> None:
@@ -580,16 +610,16 @@ def test_a_reply_is_read_against_the_connection_it_came_on() -> None:
         dispose(store)
 
 
-_MAP_FIXED_NOREPLACE = 0x100000
-
-
 def test_copies_for_a_lost_connection_fail_after_a_reconnect(sock_dir: str) -> None:
+    """A batch still holding addresses of a lost connection copies after the store has
+    reconnected to a restarted server of the same size. The old arena's range stays reserved
+    while such sessions live, so the new arena lands elsewhere and the stale copies fail:
+    they never reach another session's object, which stays exact."""
     path = f"{sock_dir}/pool.sock"
     capacity = 1 << 20
     first = PoolServer(PoolConfig(socket=path, capacity=capacity))
     first.start()
     second = None
-    placeholder = None
     store = kvflow.SharedStore(socket=path, retry_interval_s=0.05, timeout_s=2)
     try:
         write_objects(store, {"a": content("a")})
@@ -599,21 +629,7 @@ def test_copies_for_a_lost_connection_fail_after_a_reconnect(sock_dir: str) -> N
         old_base = store._conn.base
         first.stop()
         with pytest.raises(kvflow.StoreUnavailableError):
-            store.lookup(["a"])  # drops the connection (and its mapping); nothing to reconnect to
-        # other memory of this process now lives where the old arena was mapped
-        got = _libc.mmap(
-            old_base,
-            capacity,
-            0,  # PROT_NONE
-            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE,
-            -1,
-            0,
-        )
-        if got in (None, ctypes.c_void_p(-1).value):
-            pytest.skip("could not map over the old arena's addresses")
-        placeholder = got
-        if got != old_base:
-            pytest.skip("the kernel placed the placeholder elsewhere")
+            store.lookup(["a"])  # drops the connection; nothing to reconnect to yet
         second = PoolServer(PoolConfig(socket=path, capacity=capacity))
         second.start()
 
@@ -625,16 +641,32 @@ def test_copies_for_a_lost_connection_fail_after_a_reconnect(sock_dir: str) -> N
 
         wait_until(answers, 5, "the store to reconnect")
         assert store._conn is not None and store._conn.base != old_base
-        dst = alloc_registered(store, OBJ_BYTES)
+        fresh = store.open_write(["b"], OBJ_BYTES)  # the slot the old "b" had, most likely
+        assert fresh.granted.all()
+        src = alloc_registered(store, OBJ_BYTES)
+        src[:] = content("b")
+        assert (
+            store.batch_copy(
+                i64(fresh.addrs), i64([addr(src)]), i64([OBJ_BYTES]), Direction.TO_POOL
+            ).size
+            == 0
+        )
+        stale = alloc_registered(store, OBJ_BYTES, fill=0xEE)
         for session, direction in ((reading, Direction.FROM_POOL), (writing, Direction.TO_POOL)):
             failed = store.batch_copy(
-                i64(session.addrs[:1]), i64([addr(dst)]), i64([OBJ_BYTES]), direction
+                i64(session.addrs[:1]), i64([addr(stale)]), i64([OBJ_BYTES]), direction
             )
             assert failed.tolist() == [0]
+        store.finish_write(fresh, np.ones(1, dtype=bool))
+        np.testing.assert_array_equal(read_objects(store, ["b"], OBJ_BYTES)["b"], content("b"))
+        assert (stale == 0xEE).all()
+        with pytest.raises(kvflow.StoreUnavailableError):
+            store.finish_write(writing, np.ones(1, dtype=bool))
+        with pytest.raises(kvflow.StoreUnavailableError):
+            store.close_read(reading)
+        assert store._past == []  # no session refers to the old range: it is freed
     finally:
         store.close()
-        if placeholder:
-            _libc.munmap(placeholder, capacity)
         if second is not None:
             second.stop()
         first.stop()
