@@ -8,7 +8,14 @@ import pytest
 import torch
 
 import kvflow
-from tests.pools import STORE_NAMES, dispose, make_store, stop_servers
+from tests.pools import STORE_NAMES, dispose, make_store, stop_master, stop_servers
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_mooncake_master() -> Iterator[None]:
+    """The Mooncake master some tests start stops with the test session."""
+    yield
+    stop_master()
 
 
 @pytest.fixture(autouse=True)

@@ -7,20 +7,36 @@ eviction tests count objects). A factory whose engine is unavailable may call ``
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 import kvflow
 from kvflow.pool import PoolConfig, PoolServer
+from kvflow.stores.mooncake_master import MooncakeMaster, find_master_binary
 
 __all__ = [
+    "ARENA_STORE_NAMES",
     "STORE_FACTORIES",
     "STORE_NAMES",
     "ServedSharedStore",
     "dispose",
+    "long_lived_store",
     "make_store",
+    "release_store",
+    "require_mooncake",
+    "MooncakeMaster",
+    "mooncake_master",
+    "mooncake_store",
+    "open_sessions",
+    "reported_usage",
+    "stop_master",
     "stop_servers",
 ]
 
@@ -64,13 +80,114 @@ def stop_servers() -> None:
         served.stop_server()
 
 
+_MASTER: MooncakeMaster | None = None
+
+
+def mooncake_master() -> MooncakeMaster:
+    """The test session's master, started on first use (``stop_master`` ends it)."""
+    global _MASTER
+    require_mooncake()
+    if _MASTER is None or not _MASTER.running:
+        _MASTER = MooncakeMaster()
+    return _MASTER
+
+
+_LONG_LIVED: dict[str, kvflow.Store] = {}
+
+
+def long_lived_store(name: str, capacity: int | str) -> kvflow.Store:
+    """A store for many short runs in one test (hypothesis examples): a fresh one for the
+    in-process pools; for Mooncake one client kept for the test session (a client takes
+    seconds to close), so every run must use keys of its own (a model name of its own)."""
+    if name != "mooncake":
+        return make_store(name, capacity)
+    store = _LONG_LIVED.get(name)
+    if store is None:
+        store = _LONG_LIVED[name] = mooncake_store(256 << 20)
+    return store
+
+
+def release_store(name: str, store: kvflow.Store) -> None:
+    """The end of one run on a ``long_lived_store``."""
+    if name != "mooncake":
+        dispose(store)
+
+
+def stop_master() -> None:
+    global _MASTER
+    while _LONG_LIVED:
+        _LONG_LIVED.popitem()[1].close()
+    if _MASTER is not None:
+        _MASTER.stop()
+        _MASTER = None
+
+
+def mooncake_store(
+    capacity: int, master: str | None = None, **options: Any
+) -> kvflow.MooncakeStore:
+    """A MooncakeStore on the session's master whose own segment holds ``capacity`` bytes."""
+    segment = max(capacity, 16 << 20)
+    options.setdefault("key_prefix", f"t{next(_PREFIXES)}/")  # every store its own keys
+    return kvflow.MooncakeStore(
+        master_server_address=master or mooncake_master().address,
+        local_hostname="127.0.0.1",
+        global_segment_size=segment,
+        timeout_s=5.0,
+        **options,
+    )
+
+
+_PREFIXES = itertools.count(os.getpid() << 20)
+
+
+def require_mooncake() -> None:
+    """Skip (fail, in CI) unless Mooncake's client imports and its master is installed."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        _unavailable(f"Mooncake does not import ({exc}); pip install 'kvflow[mooncake]'")
+    if find_master_binary() is None:
+        _unavailable("mooncake_master is not installed (pip install 'kvflow[mooncake]')")
+
+
+def _unavailable(reason: str) -> None:
+    """In CI a missing engine fails the test; elsewhere it skips it."""
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 StoreFactory = Callable[[int], kvflow.Store]
 
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "local": lambda capacity: kvflow.LocalStore(capacity),
     "shared": lambda capacity: ServedSharedStore(capacity),
+    "mooncake": lambda capacity: mooncake_store(capacity),
 }
 STORE_NAMES = sorted(STORE_FACTORIES)
+# pools with a fixed-size arena, LRU eviction and usage(): tests that fill the pool to watch
+# eviction run on these (Mooncake's segments start at 16 MiB and it evicts by watermark)
+ARENA_STORE_NAMES = [name for name in STORE_NAMES if name != "mooncake"]
+
+
+SESSION_FIELDS = ("pending_writes", "leases", "open_sessions")
+
+
+def reported_usage(store: kvflow.Store) -> dict[str, int]:
+    """The StoreUsage fields a store reports: all of them where it supports usage(), else the
+    session counts of its own ``stats()`` (MooncakeStore: occupancy is the master's)."""
+    inner = getattr(store, "inner", store)
+    if isinstance(inner, kvflow.SupportsUsage):
+        return dataclasses.asdict(inner.usage())
+    stats = getattr(inner, "stats", None)
+    assert stats is not None, f"{type(inner).__name__} reports neither usage() nor stats()"
+    counts = stats()
+    return {name: int(getattr(counts, name)) for name in SESSION_FIELDS}
+
+
+def open_sessions(store: kvflow.Store) -> int:
+    """Sessions the store holds open, however it reports them."""
+    return reported_usage(store)["open_sessions"]
 
 
 def make_store(name: str, capacity: int | str) -> kvflow.Store:

@@ -13,6 +13,7 @@ whole-request ``load``/``save``), then ``close`` once. Cancelling a coroutine th
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -187,8 +188,18 @@ class TransferEngine:
         stuck = self._copier.in_flight > 0 or any(not t.done() for t in others)
         if stuck:
             log.error("kvflow: closing with copies still running; their threads are left")
+        else:  # nothing copies any more: the store may let go of the caches' memory
+            await self._unregister()
         self._copier.shutdown(wait=False)
         self._meta_pool.shutdown(wait=False)
+
+    async def _unregister(self) -> None:
+        call = functools.partial(self.store.unregister, self.layout.regions())
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._meta_pool, call)
+            await asyncio.wait_for(future, self.config.op_timeout_s)
+        except (KVFlowError, TimeoutError) as exc:
+            log.warning("kvflow: the store did not unregister the KV caches: %r", exc)
 
     async def __aenter__(self) -> TransferEngine:
         return self

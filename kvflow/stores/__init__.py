@@ -11,6 +11,9 @@ from kvflow.stores.base import (
 )
 from kvflow.stores.instrumented import CopyRecord, InstrumentedStore
 from kvflow.stores.local import LocalStore
+from kvflow.stores.mooncake import MooncakeStats, MooncakeStore
+from kvflow.stores.mooncake_config import MooncakeConfig
+from kvflow.stores.mooncake_master import MooncakeMaster
 from kvflow.stores.shared import SharedStore, SharedStoreConfig
 
 __all__ = [
@@ -18,6 +21,10 @@ __all__ = [
     "Direction",
     "InstrumentedStore",
     "LocalStore",
+    "MooncakeConfig",
+    "MooncakeMaster",
+    "MooncakeStats",
+    "MooncakeStore",
     "ReadSession",
     "SharedStore",
     "SharedStoreConfig",

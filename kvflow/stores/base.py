@@ -146,6 +146,11 @@ class Store(ABC):
     ) -> np.ndarray:
         """Move bytes; returns the indices of failed ranges (empty when all succeeded)."""
 
+    def unregister(self, regions: Sequence[tuple[int, int]]) -> None:  # noqa: B027 - optional
+        """Undo one ``register`` of the same regions (the memory is about to be freed). Stores
+        that pin or register memory with a transport count registrations and release a region
+        when its last user unregisters it; the others need not do anything."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the store's resources. Sessions still open are aborted or released."""
 

@@ -17,6 +17,7 @@ import pytest
 from kvflow.bench.overhead import FLAT_SHARE, growth
 from kvflow.cli import main
 from kvflow.stores.copyloop import NATIVE
+from tests.pools import require_mooncake
 
 
 def bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
@@ -61,6 +62,26 @@ def test_pool(tmp_path: Path) -> None:
     assert [r["layers"] for r in result["round_trips"]] == [2, 5]
     assert {(r["save"], r["load"]) for r in result["round_trips"]} == {(2, 3)}
     assert result["targets"]["round_trips_constant"] is True
+
+
+def test_mooncake(tmp_path: Path) -> None:
+    """kvflow through a real Mooncake master against Mooncake's own calls, same bytes."""
+    require_mooncake()
+    result = bench(
+        tmp_path, "mooncake", "--layers", "4", "--block-bytes", "4KiB", "--blocks", "32",
+        "--repeats", "1", "--round-trip-layers", "2,5",
+    )  # fmt: skip
+    t = result["throughput"]
+    assert t["bytes"] == 4 * 32 * 4096 and t["objects"] == 2
+    for who in ("raw", "ranged", "kvflow"):
+        assert all(v > 0 for v in t["gbps"][who].values())
+    assert set(t["ratio"]) == set(t["ratio_to_ranged"]) == {"save", "load"}
+    rows = result["round_trips"]
+    assert [r["layers"] for r in rows] == [2, 5]
+    assert {(r["save_master"], r["load_master"]) for r in rows} == {(2, 3)}
+    assert [r["load_transfers"] for r in rows] == [r["save_transfers"] for r in rows] == [2, 5]
+    assert result["targets"]["round_trips_constant"] is True
+    assert result["sessions_api"] is True
 
 
 def test_addrgen(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from kvflow.bench.model import ModelShape, PagedModel
 from kvflow.cli import main
+from tests.pools import require_mooncake
 
 TINY = [
     "--layers", "3", "--hidden", "64", "--mlp", "64", "--heads", "4", "--kv-heads", "2",
@@ -20,10 +21,12 @@ TINY = [
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--mla-dim", "48"], ["--store", "shared"]],
-    ids=["kv-heads", "mla", "shared-pool"],
+    [[], ["--mla-dim", "48"], ["--store", "shared"], ["--store", "mooncake"]],
+    ids=["kv-heads", "mla", "shared-pool", "mooncake"],
 )
 def test_ttft_modes_agree_and_json_has_fixed_keys(tmp_path: Path, extra: list[str]) -> None:
+    if "mooncake" in extra:
+        require_mooncake()
     path, png = tmp_path / "ttft.json", tmp_path / "ttft.png"
     assert main(["bench", "ttft", *TINY, *extra, "--json", str(path), "--plot", str(png)]) == 0
     result = json.loads(path.read_text())

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 import torch
 
 import kvflow
-from tests.pools import dispose, make_store
+from tests.pools import ARENA_STORE_NAMES, dispose, make_store, open_sessions
 
 BS = 4
 CHUNK = 2
@@ -70,13 +71,17 @@ async def test_concurrent_overlapping_saves_and_loads_are_exact(store_name: str)
 
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         await asyncio.gather(*(one(i) for i in range(200)))
-    usage = store.usage()
-    assert usage.leases == 0 and usage.pending_writes == 0 and usage.open_sessions == 0
-    assert usage.evictions > 0, "the pool never filled: the test did not exercise eviction"
-    assert checked["loaded_chunks"] > 50 and checked["missing"] > 0
+    assert open_sessions(store) == 0
+    if isinstance(store, kvflow.SupportsUsage):  # an arena of 24 objects: eviction all along
+        usage = store.usage()
+        assert usage.leases == 0 and usage.pending_writes == 0
+        assert usage.evictions > 0, "the pool never filled: the test did not exercise eviction"
+    assert checked["loaded_chunks"] > 50
+    assert checked["missing"] > 0 or not isinstance(store, kvflow.SupportsUsage)
     dispose(store)
 
 
+@pytest.mark.parametrize("store_name", ARENA_STORE_NAMES)
 async def test_eviction_never_touches_a_leased_object(store_name: str) -> None:
     caches = [torch.randint(0, 256, (BLOCKS, WIDTH), dtype=torch.uint8) for _ in range(LAYERS)]
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)

@@ -6,14 +6,16 @@ import asyncio
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 import kvflow
-from tests.pools import dispose, make_store
+from tests.pools import ARENA_STORE_NAMES, dispose, make_store
 
 BS = 4
 
 
+@pytest.mark.parametrize("store_name", ARENA_STORE_NAMES)
 async def test_thousands_of_operations_leak_nothing(store_name: str) -> None:
     threads_before = threading.active_count()
     caches = [torch.zeros(64, 16, dtype=torch.uint8) for _ in range(4)]

@@ -240,17 +240,25 @@ def serve() -> Iterator[Callable[..., ServeProcess]]:
 
 
 class Worker:
-    """``python -m tests.pool.workers NAME ARGS`` as a child process. It reports through files
-    in ``directory``: ``<tag>.ready`` when it has reached its waiting point (if any), and
-    ``<tag>.json`` with its result when it finishes."""
+    """``python -m MODULE NAME ARGS`` (``tests.pool.workers`` unless told) as a child process.
+    It reports through files in ``directory``: ``<tag>.ready`` when it has reached its waiting
+    point (if any), and ``<tag>.json`` with its result when it finishes."""
 
-    def __init__(self, directory: str, tag: str, name: str, /, **args: Any) -> None:
+    def __init__(
+        self,
+        directory: str,
+        tag: str,
+        name: str,
+        /,
+        module: str = "tests.pool.workers",
+        **args: Any,
+    ) -> None:
         self.tag = tag
         self.ready_path = os.path.join(directory, f"{tag}.ready")
         self.result_path = os.path.join(directory, f"{tag}.json")
         self.log_path = os.path.join(directory, f"{tag}.out")
         args = {**args, "ready": self.ready_path, "result": self.result_path}
-        cmd = [sys.executable, "-m", "tests.pool.workers", name, json.dumps(args)]
+        cmd = [sys.executable, "-m", module, name, json.dumps(args)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT

@@ -1,27 +1,38 @@
 """Fixtures for the store contract suite: every store in ``tests.pools.STORE_FACTORIES`` runs
-every test (add a pool engine there)."""
+every test (add a pool engine there).
+
+A test marked ``@pytest.mark.arena("why")`` runs only on ``ARENA_STORE_NAMES``, the pools with a
+fixed-size arena, LRU eviction and ``usage()``; elsewhere it is skipped, saying why.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import weakref
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
 
 from kvflow import Direction, Store, StoreUsage, SupportsUsage, WriteStatus
-from tests.pools import STORE_FACTORIES, dispose, make_store
+from tests.pools import ARENA_STORE_NAMES, STORE_FACTORIES, dispose, make_store, reported_usage
 
 __all__ = [
     "GUARD",
     "OBJ_BYTES",
+    "SMALL_CAPACITY",
     "SMALL_OBJECTS",
     "STORE_CAPACITY",
     "STORE_FACTORIES",
+    "PoolState",
     "addr",
     "alloc_registered",
+    "assert_unchanged",
+    "assert_usage",
     "content",
     "make_store",
+    "pool_state",
     "read_objects",
     "usage",
     "write_objects",
@@ -30,7 +41,27 @@ __all__ = [
 STORE_CAPACITY = 16 << 20  # the `store` fixture
 OBJ_BYTES = 8192  # object size the tests use: a whole number of 4 KiB slots
 SMALL_OBJECTS = 4  # the `small_store` fixture holds exactly this many OBJ_BYTES objects
+SMALL_CAPACITY = SMALL_OBJECTS * OBJ_BYTES
 GUARD = 4096  # unregistered bytes on either side of every buffer alloc_registered returns
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "arena(why): needs a fixed-size arena with LRU eviction and usage() (ARENA_STORE_NAMES)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Skip ``arena`` tests on the other stores before their fixtures start a pool."""
+    for item in items:
+        marker = item.get_closest_marker("arena")
+        callspec = getattr(item, "callspec", None)
+        name = callspec.params.get("store_name") if callspec else None
+        if marker is not None and name is not None and name not in ARENA_STORE_NAMES:
+            why = marker.args[0] if marker.args else "it watches the arena"
+            reason = f"{name} has no fixed-size arena with LRU eviction and usage(): {why}"
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture
@@ -44,7 +75,7 @@ def store(store_name: str) -> Iterator[Store]:
 @pytest.fixture
 def small_store(store_name: str) -> Iterator[Store]:
     """A store with room for exactly SMALL_OBJECTS objects of OBJ_BYTES: for eviction tests."""
-    s = make_store(store_name, SMALL_OBJECTS * OBJ_BYTES)
+    s = make_store(store_name, SMALL_CAPACITY)
     yield s
     dispose(s)
 
@@ -54,14 +85,20 @@ def alloc_registered(store: Store, nbytes: int, *, fill: int | None = None) -> n
 
     The buffer is the middle of a larger allocation: the GUARD bytes either side are never
     registered, so ``addr(buf) - 1`` and ``addr(buf) + nbytes`` are known to lie outside
-    registered memory. The returned view keeps the whole allocation alive.
+    registered memory. The allocation lives as long as the store: registered memory must not be
+    freed and handed out again while still registered (Mooncake refuses a registration that
+    overlaps an earlier one).
     """
     whole = np.zeros(nbytes + 2 * GUARD, dtype=np.uint8)
     buf = whole[GUARD : GUARD + nbytes]
     if fill is not None:
         buf[:] = fill
     store.register([(addr(buf), nbytes)])
+    _KEPT.setdefault(store, []).append(whole)
     return buf
+
+
+_KEPT: weakref.WeakKeyDictionary[Store, list[np.ndarray]] = weakref.WeakKeyDictionary()
 
 
 def content(key: str, size: int = OBJ_BYTES) -> np.ndarray:
@@ -74,8 +111,55 @@ def addr(buf: np.ndarray) -> int:
 
 
 def usage(store: Store) -> StoreUsage:
-    assert isinstance(store, SupportsUsage), f"{type(store).__name__} does not report usage()"
+    """The store's occupancy, for ``arena`` tests; other tests use assert_usage or pool_state."""
+    assert isinstance(store, SupportsUsage), (
+        f"{type(store).__name__} has no usage(): mark the test arena, or use assert_usage"
+    )
     return store.usage()
+
+
+def assert_usage(store: Store, **expected: int | range) -> None:
+    """Check StoreUsage fields by name: an int must match, a range must hold the value.
+
+    pending_writes, leases and open_sessions are checked on every store; the other fields
+    (occupancy and counters) only where the store reports usage().
+    """
+    unknown = set(expected) - {f.name for f in dataclasses.fields(StoreUsage)}
+    assert not unknown, f"not StoreUsage fields: {sorted(unknown)}"
+    reported = reported_usage(store)
+    wrong = {
+        name: {"got": reported[name], "expected": want}
+        for name, want in expected.items()
+        if name in reported
+        and (reported[name] not in want if isinstance(want, range) else reported[name] != want)
+    }
+    assert not wrong, f"{type(store).__name__} usage: {wrong}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolState:
+    """What every store shows of a pool: which of ``keys`` are committed, and every StoreUsage
+    field it reports (all of usage() where supported, else its session counts)."""
+
+    keys: tuple[str, ...]
+    found: tuple[bool, ...]
+    reported: dict[str, int]
+
+
+def pool_state(store: Store, keys: Sequence[str] = ()) -> PoolState:
+    """The pool's state as far as ``keys`` and the store's reports show it (read after the
+    lookup, which counts hits and misses)."""
+    found = tuple(store.lookup(keys).tolist()) if keys else ()
+    return PoolState(tuple(keys), found, reported_usage(store))
+
+
+def assert_unchanged(store: Store, before: PoolState) -> None:
+    """The pool is as ``before`` saw it: the reports are read before looking the keys up
+    again, so the two snapshots' own lookups do not tell them apart. Once per ``before``: this
+    lookup counts too."""
+    reported = reported_usage(store)
+    found = tuple(store.lookup(before.keys).tolist()) if before.keys else ()
+    assert PoolState(before.keys, found, reported) == before
 
 
 def _i64(values: Sequence[int]) -> np.ndarray:

@@ -25,11 +25,15 @@ from kvflow import (
 )
 from tests.stores.conftest import (
     OBJ_BYTES,
+    SMALL_CAPACITY,
     SMALL_OBJECTS,
     STORE_CAPACITY,
     addr,
     alloc_registered,
+    assert_unchanged,
+    assert_usage,
     content,
+    pool_state,
     read_objects,
     usage,
     write_objects,
@@ -76,7 +80,7 @@ def test_lookup_of_unknown_keys_is_all_false(store: Store) -> None:
 def test_open_read_of_unknown_keys_finds_nothing_and_leases_nothing(store: Store) -> None:
     session = store.open_read(["nope", "nada"])
     assert session.found.tolist() == [False, False]
-    assert usage(store).leases == 0
+    assert_usage(store, leases=0)
     store.close_read(session)
 
 
@@ -92,6 +96,7 @@ def test_open_write_grants_new_keys_disjoint_nonzero_addresses(store: Store) -> 
     store.finish_write(session, np.ones(len(keys), dtype=bool))
 
 
+@pytest.mark.arena("fills the pool to watch space re-granted after aborts and eviction")
 def test_open_write_never_hands_out_space_in_use(small_store: Store) -> None:
     """Space re-granted after aborts and eviction never overlaps a leased or pending object."""
     store = small_store
@@ -126,10 +131,9 @@ def test_open_write_never_hands_out_space_in_use(small_store: Store) -> None:
 
 def test_open_write_of_committed_key_is_exists(store: Store) -> None:
     commit(store, "a")
-    before = usage(store)
     session = store.open_write(["a", "b"], OBJ_BYTES)
     assert session.status.tolist() == [EXISTS, GRANTED]
-    assert usage(store).used == before.used + OBJ_BYTES
+    assert_usage(store, used=2 * OBJ_BYTES, objects=1, pending_writes=1)
     store.finish_write(session, np.ones(2, dtype=bool))
     assert_holds(store, "a")  # the EXISTS key was not overwritten or re-committed empty
 
@@ -139,7 +143,7 @@ def test_open_write_of_key_pending_in_another_session_is_exists(store: Store) ->
     second = store.open_write(["a"], OBJ_BYTES)
     assert first.status.tolist() == [GRANTED]
     assert second.status.tolist() == [EXISTS]
-    assert usage(store).pending_writes == 1
+    assert_usage(store, pending_writes=1)
     store.finish_write(second, np.ones(1, dtype=bool))
     store.finish_write(first, np.ones(1, dtype=bool))
     assert store.lookup(["a"]).tolist() == [True]
@@ -154,7 +158,7 @@ def test_finishing_an_exists_session_leaves_the_pending_write_alone(
     other = store.open_write(["a"], OBJ_BYTES)
     store.finish_write(other, np.array([other_ok]))
     assert store.lookup(["a"]).tolist() == [False]
-    assert usage(store).pending_writes == 1
+    assert_usage(store, pending_writes=1)
     staging = alloc_registered(store, OBJ_BYTES)
     staging[:] = content("a")
     assert (
@@ -177,10 +181,9 @@ def test_pending_object_invisible_until_finish_write_commits(store: Store) -> No
     assert store.lookup(["a"]).tolist() == [False]
     read = store.open_read(["a"])
     assert read.found.tolist() == [False]
-    assert usage(store).leases == 0
+    assert_usage(store, leases=0)
     store.close_read(read)
-    assert usage(store).objects == 0
-    assert usage(store).pending_writes == 1
+    assert_usage(store, objects=0, pending_writes=1)
 
     store.finish_write(session, np.ones(1, dtype=bool))
     assert store.lookup(["a"]).tolist() == [True]
@@ -189,19 +192,15 @@ def test_pending_object_invisible_until_finish_write_commits(store: Store) -> No
 
 def test_abort_is_invisible_and_gives_the_space_back(store: Store) -> None:
     commit(store, "base")
-    before = usage(store)
+    before = pool_state(store, ["base", "a", "b"])
     session = store.open_write(["a", "b"], OBJ_BYTES)
-    assert usage(store).used == before.used + 2 * OBJ_BYTES
+    assert_usage(store, used=3 * OBJ_BYTES, pending_writes=2)
     store.finish_write(session, np.zeros(2, dtype=bool))
+    assert_unchanged(store, before)
 
-    assert store.lookup(["a", "b"]).tolist() == [False, False]
     read = store.open_read(["a", "b"])
     assert read.found.tolist() == [False, False]
     store.close_read(read)
-    after = usage(store)
-    assert after.used == before.used
-    assert after.objects == before.objects
-    assert after.pending_writes == 0
 
     again = store.open_write(["a"], OBJ_BYTES)  # an aborted key can be written afresh
     assert again.status.tolist() == [GRANTED]
@@ -212,16 +211,15 @@ def test_finish_write_commits_only_the_ok_keys(store: Store) -> None:
     session = store.open_write(["a", "b", "c"], OBJ_BYTES)
     store.finish_write(session, np.array([True, False, True]))
     assert store.lookup(["a", "b", "c"]).tolist() == [True, False, True]
-    u = usage(store)
-    assert (u.objects, u.pending_writes, u.used) == (2, 0, 2 * OBJ_BYTES)
+    assert_usage(store, objects=2, pending_writes=0, used=2 * OBJ_BYTES)
 
 
 def test_finish_write_with_wrong_number_of_flags_is_refused(store: Store) -> None:
     session = store.open_write(["a", "b"], OBJ_BYTES)
-    before = usage(store)
+    before = pool_state(store, session.keys)
     with pytest.raises(InvalidArgumentError):
         store.finish_write(session, np.ones(3, dtype=bool))
-    assert usage(store) == before
+    assert_unchanged(store, before)
     store.finish_write(session, np.ones(2, dtype=bool))  # still open: finishes normally
     assert store.lookup(["a", "b"]).tolist() == [True, True]
 
@@ -261,7 +259,11 @@ def test_bytes_round_trip_bit_exact(store: Store) -> None:
 def test_batch_copy_returns_an_empty_int_array_on_success(
     store: Store, direction: Direction
 ) -> None:
-    session = store.open_write(["a"], OBJ_BYTES)
+    if direction == Direction.FROM_POOL:
+        commit(store, "a")
+        session: WriteSession | ReadSession = store.open_read(["a"])
+    else:
+        session = store.open_write(["a"], OBJ_BYTES)
     buf = alloc_registered(store, OBJ_BYTES)
     for n in (1, 0):  # one range, then an empty batch
         result = store.batch_copy(
@@ -270,7 +272,10 @@ def test_batch_copy_returns_an_empty_int_array_on_success(
         assert isinstance(result, np.ndarray)
         assert np.issubdtype(result.dtype, np.integer)
         assert result.shape == (0,)
-    store.finish_write(session, np.zeros(1, dtype=bool))
+    if isinstance(session, ReadSession):
+        store.close_read(session)
+    else:
+        store.finish_write(session, np.zeros(1, dtype=bool))
 
 
 # -- batch_copy refuses bad ranges, copying nothing ---------------------------------------------
@@ -286,7 +291,7 @@ class _CopyRig:
     pool_b: int
     src: np.ndarray  # registered, OBJ_BYTES of 0xAB: what a good TO_POOL range writes
     dst: np.ndarray  # registered, zeros: where a good FROM_POOL range reads into
-    big: np.ndarray  # registered, 0x5A, capacity + OBJ_BYTES bytes
+    big: np.ndarray  # registered, 0x5A, SMALL_CAPACITY + OBJ_BYTES bytes
     loose: np.ndarray  # never registered, zeros
     staging: np.ndarray  # registered; wrote "a" and "b"; kept alive (see copy_rig)
 
@@ -296,10 +301,11 @@ class _CopyRig:
 
 def _bad_range(rig: _CopyRig, case: str) -> tuple[int, int, int]:
     """(pool, local, size) of a range ``batch_copy`` must refuse."""
-    capacity = usage(rig.store).capacity
     if case == "pool_in_host_memory":
         return addr(rig.big), addr(rig.dst), OBJ_BYTES
     if case == "pool_past_arena_end":
+        capacity = usage(rig.store).capacity
+        assert capacity + OBJ_BYTES <= rig.big.size, "big is too small for this case"
         return rig.pool_b, addr(rig.big), capacity + OBJ_BYTES
     if case == "local_unregistered":
         return rig.pool_b, addr(rig.loose), OBJ_BYTES
@@ -314,7 +320,11 @@ def _bad_range(rig: _CopyRig, case: str) -> tuple[int, int, int]:
 
 BAD_RANGES = [
     "pool_in_host_memory",
-    "pool_past_arena_end",
+    pytest.param(
+        "pool_past_arena_end",
+        marks=pytest.mark.arena("a range past the end of the arena"),
+        id="pool_past_arena_end",
+    ),
     "local_unregistered",
     "local_before_registered_start",
     "local_past_registered_end",
@@ -331,7 +341,7 @@ def copy_rig(small_store: Store) -> _CopyRig:
     loose = np.zeros(OBJ_BYTES, dtype=np.uint8)
     src = alloc_registered(store, OBJ_BYTES, fill=0xAB)
     dst = alloc_registered(store, OBJ_BYTES)
-    big = alloc_registered(store, usage(store).capacity + OBJ_BYTES, fill=0x5A)
+    big = alloc_registered(store, SMALL_CAPACITY + OBJ_BYTES, fill=0x5A)
     staging = alloc_registered(store, 2 * OBJ_BYTES)
     status = write_objects(store, {k: content(k) for k in ("a", "b")}, staging=staging)
     assert (status == GRANTED).all()
@@ -432,6 +442,7 @@ def test_batch_copy_refuses_ranges_that_wrap_around(
 # -- leases and eviction ------------------------------------------------------------------------
 
 
+@pytest.mark.arena("fills the pool far past capacity to force eviction")
 def test_leased_object_is_never_evicted(small_store: Store) -> None:
     store = small_store
     commit(store, "held")
@@ -450,6 +461,7 @@ def test_leased_object_is_never_evicted(small_store: Store) -> None:
     assert_holds(store, "held")
 
 
+@pytest.mark.arena("fills the pool with leased objects")
 def test_no_space_when_everything_is_leased(small_store: Store) -> None:
     store = small_store
     keys = [f"k{i}" for i in range(SMALL_OBJECTS)]
@@ -479,6 +491,7 @@ def test_no_space_when_everything_is_leased(small_store: Store) -> None:
     store.finish_write(again, np.zeros(1, dtype=bool))
 
 
+@pytest.mark.arena("fills the pool with pending writes")
 def test_no_space_when_everything_is_pending(small_store: Store) -> None:
     store = small_store
     sessions = [store.open_write([f"p{i}"], OBJ_BYTES) for i in range(SMALL_OBJECTS)]
@@ -493,6 +506,7 @@ def test_no_space_when_everything_is_pending(small_store: Store) -> None:
     assert store.lookup([f"p{i}" for i in range(SMALL_OBJECTS)]).all()
 
 
+@pytest.mark.arena("watches the LRU eviction order")
 def test_lru_eviction_order_and_lookup_touches(small_store: Store) -> None:
     store = small_store
     keys = [f"k{i}" for i in range(SMALL_OBJECTS)]
@@ -517,14 +531,11 @@ def test_leases_are_counted_per_open_read_and_released_by_close_read(store: Stor
     r1 = store.open_read(["a"])
     r2 = store.open_read(["a", "missing", "b"])
     assert r2.found.tolist() == [True, False, True]
-    u = usage(store)
-    assert (u.leases, u.open_sessions) == (3, 2)
+    assert_usage(store, leases=3, open_sessions=2)
     store.close_read(r1)
-    u = usage(store)
-    assert (u.leases, u.open_sessions) == (2, 1)
+    assert_usage(store, leases=2, open_sessions=1)
     store.close_read(r2)
-    u = usage(store)
-    assert (u.leases, u.open_sessions) == (0, 0)
+    assert_usage(store, leases=0, open_sessions=0)
 
 
 # -- sessions finish once; close ----------------------------------------------------------------
@@ -534,11 +545,11 @@ def test_leases_are_counted_per_open_read_and_released_by_close_read(store: Stor
 def test_finish_write_twice_raises_and_changes_nothing(store: Store, first_ok: bool) -> None:
     session = store.open_write(["a"], OBJ_BYTES)
     store.finish_write(session, np.array([first_ok]))
-    before = usage(store)
+    before = pool_state(store, ["a"])
+    assert before.found == (first_ok,)
     with pytest.raises(InvalidArgumentError):
         store.finish_write(session, np.array([not first_ok]))
-    assert usage(store) == before
-    assert store.lookup(["a"]).tolist() == [first_ok]
+    assert_unchanged(store, before)
 
 
 def test_close_read_twice_raises_and_releases_once(store: Store) -> None:
@@ -548,9 +559,9 @@ def test_close_read_twice_raises_and_releases_once(store: Store) -> None:
     store.close_read(r1)
     with pytest.raises(InvalidArgumentError):
         store.close_read(r1)
-    assert usage(store).leases == 1  # r2's lease survives the second close of r1
+    assert_usage(store, leases=1)  # r2's lease survives the second close of r1
     store.close_read(r2)
-    assert usage(store).leases == 0
+    assert_usage(store, leases=0)
 
 
 @pytest.mark.parametrize(
@@ -574,14 +585,12 @@ def test_close_releases_pending_writes_and_leases(store: Store) -> None:
     commit(store, "a", "b")
     pending = store.open_write(["p", "q"], OBJ_BYTES)
     lease = store.open_read(["a"])
-    u = usage(store)
-    assert (u.pending_writes, u.leases, u.open_sessions) == (2, 1, 2)
+    assert_usage(store, pending_writes=2, leases=1, open_sessions=2)
     assert isinstance(pending, WriteSession)
     assert isinstance(lease, ReadSession)
     store.close()
-    u = usage(store)
-    assert (u.pending_writes, u.leases, u.open_sessions) == (0, 0, 0)
-    assert u.used == u.objects * OBJ_BYTES  # the pending space came back
+    assert_usage(store, pending_writes=0, leases=0, open_sessions=0)
+    assert_usage(store, objects=2, used=2 * OBJ_BYTES)  # the pending space came back
 
 
 # -- bad input changes nothing ------------------------------------------------------------------
@@ -593,10 +602,10 @@ def test_open_write_with_nonpositive_nbytes_is_refused_and_changes_nothing(
 ) -> None:
     commit(store, "done")
     pending = store.open_write(["pend"], OBJ_BYTES)
-    before = usage(store)
+    before = pool_state(store, ["new", "done", "pend"])
     with pytest.raises(InvalidArgumentError):
         store.open_write(["new", "done", "pend"], nbytes)
-    assert usage(store) == before
+    assert_unchanged(store, before)
 
     session = store.open_write(["new", "done", "pend"], OBJ_BYTES)  # nothing was reserved
     assert session.status.tolist() == [GRANTED, EXISTS, EXISTS]
@@ -620,49 +629,40 @@ def test_duplicate_keys_in_one_open_write(store: Store, ok: tuple[bool, bool]) -
     """First occurrence GRANTED, second EXISTS; only the granted index's flag decides."""
     session = store.open_write(["a", "a"], OBJ_BYTES)
     assert session.status.tolist() == [GRANTED, EXISTS]
-    assert usage(store).pending_writes == 1
+    assert_usage(store, pending_writes=1)
     store.finish_write(session, np.array(ok))
     committed = ok[0]
     assert store.lookup(["a"]).tolist() == [committed]
-    u = usage(store)
-    assert (u.objects, u.pending_writes, u.used) == (int(committed), 0, int(committed) * OBJ_BYTES)
+    assert_usage(store, objects=int(committed), pending_writes=0, used=int(committed) * OBJ_BYTES)
 
 
 # -- usage --------------------------------------------------------------------------------------
 
 
 def test_usage_fields_stay_consistent(store: Store) -> None:
-    u = usage(store)
-    assert (u.capacity, u.used, u.objects, u.pending_writes, u.leases, u.open_sessions) == (
-        STORE_CAPACITY,
-        0,
-        0,
-        0,
-        0,
-        0,
+    assert_usage(
+        store,
+        capacity=STORE_CAPACITY,
+        used=0,
+        objects=0,
+        pending_writes=0,
+        leases=0,
+        open_sessions=0,
     )
     w1 = store.open_write(["a", "b", "c"], OBJ_BYTES)
     w2 = store.open_write(["d"], OBJ_BYTES)
-    u = usage(store)
-    assert (u.used, u.objects, u.pending_writes, u.open_sessions) == (4 * OBJ_BYTES, 0, 4, 2)
+    assert_usage(store, used=4 * OBJ_BYTES, objects=0, pending_writes=4, open_sessions=2)
     store.finish_write(w1, np.array([True, True, False]))
-    u = usage(store)
-    assert (u.used, u.objects, u.pending_writes, u.open_sessions) == (3 * OBJ_BYTES, 2, 1, 1)
+    assert_usage(store, used=3 * OBJ_BYTES, objects=2, pending_writes=1, open_sessions=1)
     r = store.open_read(["a", "d"])  # d is pending: not found, not leased
-    u = usage(store)
-    assert (u.objects, u.pending_writes, u.leases, u.open_sessions) == (2, 1, 1, 2)
+    assert r.found.tolist() == [True, False]
+    assert_usage(store, objects=2, pending_writes=1, leases=1, open_sessions=2)
     store.finish_write(w2, np.ones(1, dtype=bool))
     store.close_read(r)
-    u = usage(store)
-    assert (u.used, u.objects, u.pending_writes, u.leases, u.open_sessions) == (
-        3 * OBJ_BYTES,
-        3,
-        0,
-        0,
-        0,
-    )
+    assert_usage(store, used=3 * OBJ_BYTES, objects=3, pending_writes=0, leases=0, open_sessions=0)
 
 
+@pytest.mark.arena("counts lookup hits and misses, which only usage() reports")
 def test_lookup_counts_hits_and_misses(store: Store) -> None:
     commit(store, "a", "b")
     before = usage(store)
