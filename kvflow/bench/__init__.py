@@ -14,6 +14,7 @@ SCENARIOS: dict[str, str] = {
     "metadata": "kvflow.bench.metadata",
     "overhead": "kvflow.bench.overhead",
     "pool": "kvflow.bench.pool",
+    "mooncake": "kvflow.bench.mooncake",
 }
 
 __all__ = ["SCENARIOS"]
