@@ -52,7 +52,7 @@ from kvflow.errors import (
 )
 from kvflow.stores.base import Direction, ReadSession, Store, WriteSession, WriteStatus
 from kvflow.stores.mooncake_config import MooncakeConfig
-from kvflow.stores.regions import LocalRegions, check_copy_arrays
+from kvflow.stores.regions import LocalRegions
 
 __all__ = ["VIRTUAL_TAG", "MooncakeStats", "MooncakeStore"]
 
@@ -316,10 +316,7 @@ class MooncakeStore(Store):
         sizes: np.ndarray,
         direction: Direction,
     ) -> np.ndarray:
-        check_copy_arrays(pool_addrs, local_addrs, sizes)
-        if direction not in (Direction.TO_POOL, Direction.FROM_POOL):
-            raise InvalidArgumentError("direction", direction, "expected a Direction")
-        self._regions.check(local_addrs, sizes)
+        self._regions.check_call(pool_addrs, local_addrs, sizes, direction)
         if self._closed:
             raise ClosedError("MooncakeStore")
         if pool_addrs.size == 0:

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvflow._validate import merge_spans
 from kvflow.errors import InvalidArgumentError
+from kvflow.stores.base import Direction
 
 __all__ = ["HeldSpans", "LocalRegions", "check_copy_arrays", "in_range", "inside_spans"]
 
@@ -49,6 +50,16 @@ class LocalRegions:
             known = [(int(lo), int(hi)) for lo, hi in self._spans.tolist()]
             merged = merge_spans(known + spans)
             self._spans = np.array(merged, dtype=np.int64).reshape(-1, 2)
+
+    def check_call(
+        self, pool: np.ndarray, local: np.ndarray, sizes: np.ndarray, direction: Direction
+    ) -> None:
+        """A ``batch_copy`` call's arguments: the arrays' shapes and sizes, the direction, and
+        every local range inside registered memory (raising InvalidArgumentError)."""
+        check_copy_arrays(pool, local, sizes)
+        if direction not in (Direction.TO_POOL, Direction.FROM_POOL):
+            raise InvalidArgumentError("direction", direction, "expected a Direction")
+        self.check(local, sizes)
 
     def check(self, local: np.ndarray, sizes: np.ndarray) -> None:
         spans = self._spans

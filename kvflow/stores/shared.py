@@ -30,7 +30,7 @@ from kvflow.pool.client import PoolConnection, query_stats
 from kvflow.pool.launch import start_in_background
 from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
 from kvflow.stores.copyloop import NATIVE, copy_ranges
-from kvflow.stores.regions import HeldSpans, LocalRegions, check_copy_arrays, in_range
+from kvflow.stores.regions import HeldSpans, LocalRegions, in_range
 from kvflow.stores.shared_config import SharedStoreConfig
 
 __all__ = ["SharedStore", "SharedStoreConfig"]
@@ -179,10 +179,7 @@ class SharedStore(Store):
         sizes: np.ndarray,
         direction: Direction,
     ) -> np.ndarray:
-        check_copy_arrays(pool_addrs, local_addrs, sizes)
-        if direction not in (Direction.TO_POOL, Direction.FROM_POOL):
-            raise InvalidArgumentError("direction", direction, "expected a Direction")
-        self._regions.check(local_addrs, sizes)
+        self._regions.check_call(pool_addrs, local_addrs, sizes, direction)
         reading = direction == Direction.FROM_POOL
         with self._cond:
             conn = self._conn

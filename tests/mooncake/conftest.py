@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.pool.conftest import Worker
+from tests.pool.conftest import Worker, spawn_workers
 from tests.pools import MooncakeMaster, mooncake_master
 
 Workers = Callable[..., Worker]
@@ -29,15 +29,5 @@ def own_master() -> Iterator[MooncakeMaster]:
 def workers(tmp_path: Any) -> Iterator[Workers]:
     """Start ``tests.mooncake.workers`` processes (``workers(tag, name, **args)``); all are
     killed when the test ends."""
-    started: list[Worker] = []
-
-    def start(tag: str, name: str, /, **args: Any) -> Worker:
-        worker = Worker(str(tmp_path), tag, name, module="tests.mooncake.workers", **args)
-        started.append(worker)
-        return worker
-
-    try:
+    with spawn_workers(str(tmp_path), "tests.mooncake.workers") as start:
         yield start
-    finally:
-        for worker in started:
-            worker.stop()

@@ -29,6 +29,7 @@ __all__ = [
     "Worker",
     "greet",
     "live_server_pids",
+    "spawn_workers",
     "read_to_eof",
     "recv_exact",
     "wait_for_stats",
@@ -308,10 +309,20 @@ class Worker:
 @pytest.fixture
 def workers(sock_dir: str) -> Iterator[Callable[..., Worker]]:
     """Start worker processes (``workers(tag, name, **args)``); all are killed at the end."""
+    with spawn_workers(sock_dir) as start:
+        yield start
+
+
+@contextlib.contextmanager
+def spawn_workers(
+    directory: str, module: str = "tests.pool.workers"
+) -> Iterator[Callable[..., Worker]]:
+    """``start(tag, name, **args)`` runs a ``module`` worker reporting into ``directory``;
+    every worker started is killed when the block ends."""
     started: list[Worker] = []
 
     def start(tag: str, name: str, /, **args: Any) -> Worker:
-        worker = Worker(sock_dir, tag, name, **args)
+        worker = Worker(directory, tag, name, module=module, **args)
         started.append(worker)
         return worker
 
