@@ -28,7 +28,7 @@ from kvflow.errors import (
     StoreUnavailableError,
     TransferTimeoutError,
 )
-from kvflow.keys import KeySpace, chunk_hashes
+from kvflow.keys import ChunkHashes, KeySpace, chunk_hashes
 from kvflow.layout import KVLayout, KVPart
 from kvflow.pipeline import (
     LoadHandle,
@@ -77,6 +77,7 @@ __all__ = [
     "KVFlowError",
     "KVLayout",
     "KVPart",
+    "ChunkHashes",
     "KeySpace",
     "LayoutError",
     "LoadHandle",

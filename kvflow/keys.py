@@ -20,7 +20,7 @@ import numpy as np
 from kvflow._validate import int_vector
 from kvflow.errors import InvalidArgumentError
 
-__all__ = ["KEY_FORMAT_VERSION", "KeySpace", "chunk_hashes", "token_array"]
+__all__ = ["KEY_FORMAT_VERSION", "ChunkHashes", "KeySpace", "chunk_hashes", "token_array"]
 
 KEY_FORMAT_VERSION = 1
 _DIGEST_BYTES = 16
@@ -50,6 +50,26 @@ def chunk_hashes(tokens: np.ndarray, chunk_tokens: int) -> list[bytes]:
         ).digest()
         out.append(prev)
     return out
+
+
+@dataclass(frozen=True)
+class ChunkHashes:
+    """A request named by its chunks' prefix-chained hashes, computed elsewhere (an inference
+    server's own block hashes, say), instead of by its token ids: ``(ChunkHashes(h), block_ids)``
+    is a request whose ``len(h)`` full chunks go to or from ``block_ids`` (``chunk_blocks`` ids
+    per chunk). Each hash must cover the whole prefix up to its chunk's end."""
+
+    hashes: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        hashes = tuple(self.hashes)
+        for i, h in enumerate(hashes):
+            if not isinstance(h, bytes) or not h:
+                raise InvalidArgumentError(f"hashes[{i}]", h, "expected non-empty bytes")
+        object.__setattr__(self, "hashes", hashes)
+
+    def __len__(self) -> int:
+        return len(self.hashes)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.errors import InvalidArgumentError
-from kvflow.keys import KeySpace, chunk_hashes, token_array
+from kvflow.keys import ChunkHashes, KeySpace, chunk_hashes, token_array
 from kvflow.layout import KVLayout
 from kvflow.results import RequestResult, TransferResult
 
@@ -67,7 +67,8 @@ def plan_batch(
 ) -> BatchPlan:
     """Validate ``[(token_ids, block_ids), ...]`` and key their full chunks.
 
-    Each request needs exactly ``ceil(len(token_ids) / block_size)`` block ids. For a load, no
+    Each request needs exactly ``ceil(len(token_ids) / block_size)`` block ids; a request named
+    by ``ChunkHashes`` needs ``chunk_blocks`` ids per chunk. For a load, no
     device block may receive two chunks. Raises InvalidArgumentError before anything is changed.
     """
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
@@ -83,17 +84,19 @@ def plan_batch(
             raise InvalidArgumentError(
                 f"requests[{r}]", request, "expected a (token_ids, block_ids) pair"
             )
-        tokens = token_array(request[0], argument=f"requests[{r}].token_ids")
         ids = layout.check_block_ids(request[1], argument=f"requests[{r}].block_ids")
-        need = -(-tokens.shape[0] // layout.block_size)
+        if isinstance(request[0], ChunkHashes):
+            hashes, need = list(request[0].hashes), len(request[0]) * chunk_blocks
+            what = f"{len(hashes)} chunks of {chunk_blocks} blocks need {need} blocks"
+        else:
+            tokens = token_array(request[0], argument=f"requests[{r}].token_ids")
+            hashes = chunk_hashes(tokens, chunk_tokens)
+            need = -(-tokens.shape[0] // layout.block_size)
+            what = f"{tokens.shape[0]} tokens at block_size={layout.block_size} need {need} blocks"
         if ids.shape[0] != need:
-            raise InvalidArgumentError(
-                f"requests[{r}].block_ids",
-                f"{ids.shape[0]} blocks",
-                f"{tokens.shape[0]} tokens at block_size={layout.block_size} need {need} blocks",
-            )
-        n = tokens.shape[0] // chunk_tokens
-        keys.extend(keyspace.keys(chunk_hashes(tokens, chunk_tokens)))
+            raise InvalidArgumentError(f"requests[{r}].block_ids", f"{ids.shape[0]} blocks", what)
+        n = len(hashes)
+        keys.extend(keyspace.keys(hashes))
         blocks.append(ids[: n * chunk_blocks])
         counts.append(n)
     block_ids = np.concatenate(blocks) if blocks else np.zeros(0, np.int64)

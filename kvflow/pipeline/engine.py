@@ -52,11 +52,21 @@ class TransferEngine:
     address ranges. The engine does not own the store: close the store after the engine.
     """
 
-    def __init__(self, layout: KVLayout, store: Store, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        store: Store,
+        config: EngineConfig | None = None,
+        *,
+        keyspace: KeySpace | None = None,
+    ) -> None:
+        """``keyspace``: the keys' namespace, for integrations whose keys are also made in
+        another process that has no layout (an inference server's scheduler); by default it
+        comes from the model name, the layout's fingerprint, the chunk size and the rank."""
         self.layout = layout
         self.store = store
         self.config = config or EngineConfig()
-        self.keyspace = KeySpace.for_layout(
+        self.keyspace = keyspace or KeySpace.for_layout(
             model=self.config.model,
             layout_fingerprint=layout.fingerprint(),
             chunk_blocks=self.config.chunk_blocks,

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from kvflow.config import EngineConfig
 from kvflow.errors import ClosedError, TransferTimeoutError
+from kvflow.keys import KeySpace
 from kvflow.layout import KVLayout
 from kvflow.pipeline.engine import Request, TransferEngine
 from kvflow.pipeline.executor import pin_current_thread
@@ -38,8 +39,15 @@ class SyncTransferEngine:
     bookkeeping then never takes time from the cores that compute.
     """
 
-    def __init__(self, layout: KVLayout, store: Store, config: EngineConfig | None = None) -> None:
-        self.engine = TransferEngine(layout, store, config)  # first: it may refuse its inputs
+    def __init__(
+        self,
+        layout: KVLayout,
+        store: Store,
+        config: EngineConfig | None = None,
+        *,
+        keyspace: KeySpace | None = None,
+    ) -> None:
+        self.engine = TransferEngine(layout, store, config, keyspace=keyspace)  # may refuse
         config = self.engine.config
         self._timeout = config.op_timeout_s
         self._closed = False
