@@ -145,12 +145,12 @@ def require_mooncake() -> None:
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
-        _unavailable(f"Mooncake does not import ({exc}); pip install 'kvflow[mooncake]'")
+        unavailable(f"Mooncake does not import ({exc}); pip install 'kvflow[mooncake]'")
     if find_master_binary() is None:
-        _unavailable("mooncake_master is not installed (pip install 'kvflow[mooncake]')")
+        unavailable("mooncake_master is not installed (pip install 'kvflow[mooncake]')")
 
 
-def _unavailable(reason: str) -> None:
+def unavailable(reason: str) -> None:
     """In CI a missing engine fails the test; elsewhere it skips it."""
     if os.environ.get("CI"):
         pytest.fail(reason)

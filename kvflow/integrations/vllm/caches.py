@@ -1,0 +1,72 @@
+"""vLLM's KV cache tensors as a KVLayout, and the keys' namespace both vLLM processes agree on.
+
+No vLLM import here. vLLM hands the worker one tensor per attention layer (``{layer_name:
+tensor}``); the block dimension is found by ``num_blocks``:
+
+* ``[num_blocks, ...]``: the CPU backend's ``[num_blocks, num_kv_heads, block_size,
+  2 * head_size]``, FlashAttention's ``[num_blocks, 2, block_size, heads, head_size]``, and MLA's
+  ``[num_blocks, block_size, latent_dim]``: one part per layer;
+* ``[2, num_blocks, ...]`` (K and V apart, other CUDA backends): two parts per layer.
+
+The scheduler has no tensors, so the keys' namespace comes from what both processes know: the
+cache spec (block size, heads, head size, dtype, bytes per block), the layer count and the
+tensor-parallel size. The worker checks that its tensors have the bytes per block the spec says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvflow.errors import LayoutError
+from kvflow.layout import KVLayout
+
+__all__ = ["cache_layout", "spec_fingerprint"]
+
+
+def cache_layout(
+    kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, block_size: int, mla: bool = False
+) -> tuple[list[str], KVLayout]:
+    """The layer names in order and the layout of their tensors."""
+    names = list(kv_caches)
+    if not names:
+        raise LayoutError("kv_caches", {}, "vLLM handed over no KV cache tensors")
+    tensors = [kv_caches[n] for n in names]
+    first = tensors[0]
+    if mla or (first.dim() >= 2 and first.shape[0] == 2 and first.shape[1] == num_blocks != 2):
+        build = KVLayout.from_mla_tensors if mla else KVLayout.from_kv_split_tensors
+        try:
+            return names, build(tensors, block_size=block_size)
+        except LayoutError as exc:  # it numbers the tensors: name the layer instead
+            match = re.match(r"tensors\[(\d+)\](.*)", exc.argument)
+            if match is None:
+                raise
+            where = f"kv_caches[{names[int(match[1])]!r}]{match[2]}"
+            raise LayoutError(where, exc.value, exc.reason) from None
+    for name, t in zip(names, tensors, strict=True):
+        if t.dim() < 2 or t.shape[0] != num_blocks:
+            raise LayoutError(
+                f"kv_caches[{name!r}].shape",
+                tuple(t.shape),
+                f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]",
+            )
+    return names, KVLayout.from_tensors(tensors, block_size=block_size)
+
+
+def spec_fingerprint(spec: Any, *, num_layers: int, tp_size: int) -> str:
+    """A digest of what fixes an object's bytes: the attention spec's kind, block size, heads,
+    head size, dtype and bytes per block, the layer count and the tensor-parallel size."""
+    parts = [
+        type(spec).__name__,
+        *(
+            str(getattr(spec, name, None))
+            for name in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes")
+        ),
+        f"layers={num_layers}",
+        f"tp={tp_size}",
+    ]
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()

