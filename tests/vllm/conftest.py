@@ -39,7 +39,7 @@ def tiny_model(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> st
     """A 4-layer random Llama (float32, 2 KV heads x 64) and its tokenizer."""
     directory = tmp_path_factory.mktemp("tiny-llama")
     subprocess.run(
-        [vllm_python, "-m", "tests.vllm.model", str(directory)],
+        [vllm_python, "-m", "kvflow.integrations.vllm.random_model", str(directory)],
         cwd=REPO, check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     return str(directory)

@@ -89,6 +89,7 @@ def test_every_key_is_accepted() -> None:
         "lookup_timeout_s": 0.25,
         "model": "tiny",
         "debug_corrupt_loads": True,
+        "debug_fail_loads": True,
     }
     assert set(extra) == {f.name for f in dataclasses.fields(ConnectorConfig)}
 

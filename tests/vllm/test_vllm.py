@@ -122,6 +122,22 @@ def test_a_corrupted_load_changes_the_tokens(
     assert tokens(warm) != [baseline["A"]]
 
 
+def test_failed_loads_are_recomputed_and_never_stored(
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+) -> None:
+    """Every load reported failed (a test hook): vLLM recomputes the blocks and the tokens stay
+    exact; the chunks computed in that step over the failed prefix are not saved, so a later
+    instance still loads good KV."""
+    extra = shared_extra(pool_dir)
+    vllm([A], extra=extra)
+    failing = vllm([B], extra={**extra, "debug_fail_loads": True})
+    assert tokens(failing) == [baseline["B"]]
+    warm = vllm([A, B], extra=extra)
+    assert cached(warm)[0] == _hit(A)
+    assert cached(warm)[1] in (_hit(B, shared=200), _hit(B))  # B's own chunks: recomputed, saved
+    assert tokens(warm) == [baseline["A"], baseline["B"]]
+
+
 def test_pool_killed_before_the_warm_run(
     vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
 ) -> None:

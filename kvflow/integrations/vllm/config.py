@@ -53,6 +53,8 @@ class ConnectorConfig:
         model: the keys' model name (default: vLLM's served model name).
         debug_corrupt_loads: a test hook: overwrite every loaded block with garbage after the
             load (proves the loaded KV is really used). Never set it in production.
+        debug_fail_loads: a test hook: report every loaded block as failed (vLLM then
+            recomputes them, or fails the request, per its ``kv_load_failure_policy``).
     """
 
     store: str = "shared"
@@ -72,11 +74,12 @@ class ConnectorConfig:
     lookup_timeout_s: float = 2.0
     model: str = ""
     debug_corrupt_loads: bool = False
+    debug_fail_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.store not in STORES:
             raise ConfigError("store", self.store, f"expected one of {STORES}")
-        for name in ("use_layerwise", "save", "load", "debug_corrupt_loads"):
+        for name in ("use_layerwise", "save", "load", "debug_corrupt_loads", "debug_fail_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "must be true or false")
         for name in ("shared", "mooncake"):

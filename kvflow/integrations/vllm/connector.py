@@ -36,12 +36,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvflow.errors import KVFlowError
+from kvflow.errors import ConfigError, KVFlowError, LayoutError
 from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
 from kvflow.keys import ChunkHashes, KeySpace
 from kvflow.pipeline.sync import SyncLoadHandle, SyncSaveHandle, SyncTransferEngine
+from kvflow.pipeline.transfer import _STRAGGLER_GRACE
 from kvflow.results import ChunkStatus, TransferResult
 from kvflow.stores.base import Store
 
@@ -128,13 +129,22 @@ class _Step:
         self.load: SyncLoadHandle | None = None
         self.save: SyncSaveHandle | None = None
         self.load_started = False
-        self.load_failed = False  # the load could not be waited for: every chunk is lost
+        self.load_failed = False  # some block of the load is lost (all, before its result)
+        self.save_stopped = False
+        self.ended = False
 
 
 class KVFlowConnector(KVConnectorBase_V1):
     """kvflow's layerwise KV pool for vLLM. ``kv_transfer_config={"kv_connector":
     "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm", "kv_role":
-    "kv_both", "kv_connector_extra_config": {...}}``; see ``ConnectorConfig`` for the keys."""
+    "kv_both", "kv_connector_extra_config": {...}}``; see ``ConnectorConfig`` for the keys.
+
+    Concurrency: vLLM calls each side from one thread (the scheduler's loop; the worker's model
+    thread). Worker hooks block at most ``op_timeout_s`` each (a stuck load costs one timeout
+    per step, not one per layer); copies run on the engine's own threads. The scheduler's
+    lookup blocks at most ``lookup_timeout_s``, and not at all while an earlier one hangs.
+    Refused at start: several KV cache groups, pipeline or decode-context parallelism,
+    speculative decoding."""
 
     def __init__(
         self,
@@ -147,15 +157,20 @@ class KVFlowConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra_config(extra)
         assert kv_cache_config is not None, "this vLLM passes no kv_cache_config"
+        _check_supported(vllm_config, kv_cache_config)
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
         group = kv_cache_config.kv_cache_groups[0]
         self._spec = group.kv_cache_spec
         self._block_size = int(self._spec.block_size)
         self._num_blocks = int(kv_cache_config.num_blocks)
-        self._num_layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
-        self._mla = type(self._spec).__name__.startswith("MLA")
+        self._num_layers = len(group.layer_names)
+        self._mla = isinstance(self._spec, MLAAttentionSpec)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._chunk_blocks = self.config.chunk_blocks_for(self._block_size)
-        self._model = self.config.model or vllm_config.model_config.served_model_name
+        model = vllm_config.model_config
+        revision = f"@{model.revision}" if getattr(model, "revision", None) else ""
+        self._model = self.config.model or f"{model.model}{revision}"
         self._fingerprint = spec_fingerprint(
             self._spec, num_layers=self._num_layers, tp_size=self._tp_size
         )
@@ -214,6 +229,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             save=self.config.save,
         )
         self._lookup_errors = 0
+        self._lookups = _Bounded(self.config.lookup_timeout_s)
 
     def _lookup(self, hashes: list[bytes]) -> np.ndarray:
         """Per chunk: every rank's object stored. One store call for all ranks, bounded by
@@ -222,10 +238,10 @@ class KVFlowConnector(KVConnectorBase_V1):
             return np.zeros(len(hashes), dtype=bool)
         keys = [k for space in self._spaces for k in space.keys(hashes)]
         try:
-            found = _within(self._store.lookup, keys, self.config.lookup_timeout_s)
-        except (KVFlowError, TimeoutError) as exc:
+            found = self._lookups.call(self._store.lookup, keys)
+        except Exception as exc:  # any failure of the pool is a miss, never the scheduler's
             self._lookup_errors += 1
-            log.warning("kvflow: pool lookup failed, counted as a miss: %s", exc)
+            log.warning("kvflow: pool lookup failed, counted as a miss: %r", exc)
             return np.zeros(len(hashes), dtype=bool)
         found = np.asarray(found, dtype=bool).reshape(len(self._spaces), len(hashes))
         return np.asarray(found.all(axis=0), dtype=bool)
@@ -294,9 +310,10 @@ class KVFlowConnector(KVConnectorBase_V1):
         )
         page = getattr(self._spec, "page_size_bytes", None)
         if page is not None and layout.layer_block_bytes(0) != int(page):
-            raise KVFlowError(
-                f"vLLM's KV tensors hold {layout.layer_block_bytes(0)} bytes per block and layer, "
-                f"its cache spec says {page}: kvflow does not know this layout"
+            raise LayoutError(
+                "kv_caches",
+                f"{layout.layer_block_bytes(0)} bytes per block and layer",
+                f"vLLM's cache spec says {page}: kvflow does not know this layout",
             )
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._store = self._open_store(scheduler=False)
@@ -322,7 +339,10 @@ class KVFlowConnector(KVConnectorBase_V1):
         if step is None or step.load_started:
             return step
         step.load_started = True
-        if self._engine is None or not step.meta.loads:
+        if not step.meta.loads:
+            return step
+        if self._engine is None:  # the scheduler planned loads this worker cannot make
+            step.load_failed = True
             return step
         requests = [(ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.loads]
         try:
@@ -338,16 +358,20 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         step = self._start_load()
-        if step is None or step.load is None or not self.config.use_layerwise:
+        layer = self._layer_index.get(layer_name)
+        if step is None or step.load is None or layer is None or not self.config.use_layerwise:
             return
-        self._wait_layer(step, self._layer_index[layer_name])
+        self._wait_layer(step, layer)
 
     def _wait_layer(self, step: _Step, layer: int) -> None:
-        assert step.load is not None
+        """Wait for one layer; after a failed wait, none: every block of the step's load is
+        reported failed anyway, and a stuck copy must not cost every later layer its timeout."""
+        if step.load is None or step.load_failed:
+            return
         start = time.perf_counter()
         try:
             step.load.wait_layer(layer, timeout=self.config.op_timeout_s)
-        except KVFlowError as exc:  # the layer's chunks are reported failed after the step
+        except KVFlowError as exc:
             log.warning("kvflow: waiting for layer %d's load: %s", layer, exc)
             step.load_failed = True
         waited = time.perf_counter() - start
@@ -361,7 +385,10 @@ class KVFlowConnector(KVConnectorBase_V1):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         step = self._start_load()
-        if step is None or self._engine is None or not step.meta.saves or not self._saves_here:
+        layer = self._layer_index.get(layer_name)
+        if step is None or self._engine is None or layer is None or step.save_stopped:
+            return
+        if not step.meta.saves or not self._saves_here:
             return
         try:
             if step.save is None:
@@ -369,27 +396,32 @@ class KVFlowConnector(KVConnectorBase_V1):
                     (ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.saves
                 ]
                 step.save = self._engine.start_save(requests)
-            step.save.layer_written(self._layer_index[layer_name], timeout=self.config.op_timeout_s)
-        except KVFlowError as exc:  # a save that cannot go on is skipped: a future miss
+            step.save.layer_written(layer, timeout=self.config.op_timeout_s)
+        except KVFlowError as exc:  # a save that cannot go on is dropped: a future miss
             log.warning("kvflow: the step's save stopped at %s: %s", layer_name, exc)
-            if step.save is not None:
-                step.save.close()
+            step.save_stopped = True
 
     def wait_for_save(self) -> None:
-        step = self._step
-        if step is None:
+        self._end_step(self._step)
+
+    def _end_step(self, step: _Step | None) -> None:
+        """End the step's transfers before vLLM may reuse its blocks: the load first (its
+        failed blocks are reported), then the save, which is dropped when any load of the step
+        failed (its chunks may have been computed over a bad prefix)."""
+        if step is None or step.ended:
             return
+        step.ended = True
         self._start_load()
-        if step.save is not None:
-            self._finish_save(step.save)
-            step.save = None
         if step.load is not None or step.load_failed:
             self._finish_load(step)
-            step.load = None
-        step.load_failed = False
+        if step.save is not None:
+            if step.load_failed or step.save_stopped:
+                self._drop(step.save, "save")
+            else:
+                self._finish_save(step.save)
 
     def _finish_save(self, handle: SyncSaveHandle) -> None:
-        result = self._finish(handle, "save")
+        result = self._result(handle, "save")
         tokens_per_chunk = self._chunk_blocks * self._block_size
         with self._stats_lock:
             d = self._stats.data
@@ -402,12 +434,14 @@ class KVFlowConnector(KVConnectorBase_V1):
             d["save_failed_tokens"] += result.count(ChunkStatus.FAILED) * tokens_per_chunk
 
     def _finish_load(self, step: _Step) -> None:
-        result = self._finish(step.load, "load") if step.load is not None else None
+        result = self._result(step.load, "load") if step.load is not None else None
         planned = [b for t in step.meta.loads for b in t.block_ids]
-        if result is None or step.load_failed:
+        if result is None or step.load_failed or self.config.debug_fail_loads:
             failed = set(planned)
+            step.load_failed = True
         else:
             failed = {int(b) for r in result.requests for b in r.failed_block_ids}
+            step.load_failed = bool(failed)
             if self.config.debug_corrupt_loads:
                 self._corrupt(np.asarray([b for b in planned if b not in failed], dtype=np.int64))
         self._load_errors |= failed
@@ -417,17 +451,38 @@ class KVFlowConnector(KVConnectorBase_V1):
             d["loaded_tokens"] += (len(planned) - len(failed)) * self._block_size
             d["load_failed_tokens"] += len(failed) * self._block_size
 
-    def _finish(
+    def _result(
         self, handle: SyncLoadHandle | SyncSaveHandle | None, what: str
     ) -> TransferResult | None:
+        """The transfer's result; None (the transfer dropped) when it does not come in time."""
         if handle is None:
             return None
         try:
             return handle.wait(timeout=self.config.op_timeout_s)
         except KVFlowError as exc:
             log.warning("kvflow: the step's %s did not finish: %s", what, exc)
-            handle.close()
+            self._drop(handle, what)
             return None
+
+    def _drop(self, handle: SyncLoadHandle | SyncSaveHandle, what: str) -> None:
+        """Abort a transfer and wait until no copy of it can still touch the blocks (a copy past
+        its timeout may still be running): vLLM reuses them once the step ends. If one is still
+        running after the engine's grace, the connector stops moving bytes for good."""
+        try:
+            handle.close()
+        except KVFlowError as exc:
+            log.warning("kvflow: closing the step's %s: %s", what, exc)
+        cfg = self.config
+        deadline = time.monotonic() + _STRAGGLER_GRACE * cfg.copy_timeout_s + cfg.op_timeout_s
+        while not handle.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not handle.done():
+            log.critical(
+                "kvflow: a %s copy is still running past its grace; the connector stops "
+                "loading and saving in this process",
+                what,
+            )
+            self._engine = None
 
     def _corrupt(self, blocks: np.ndarray) -> None:
         """Test hook (``debug_corrupt_loads``): overwrite loaded blocks with garbage."""
@@ -442,14 +497,16 @@ class KVFlowConnector(KVConnectorBase_V1):
                     ctypes.memset(part.base + block * part.block_stride, 0x7B, part.block_bytes)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        step = self._step
+        if step is not None and step.load is not None and not step.ended:
+            self._end_step(step)  # asked before wait_for_save (deferred finalize): end it now
         failed, self._load_errors = self._load_errors, set()
         return failed
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         step, self._step = self._step, None
-        if step is not None and (step.load is not None or step.save is not None):
-            self.wait_for_save()  # vLLM skipped it (an aborted step): end the transfers now
+        self._end_step(step)  # a step vLLM did not end with wait_for_save
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         with self._stats_lock:
@@ -529,21 +586,60 @@ class _SharedLocal(Store):
         return f"process-wide {self.inner!r}"
 
 
-def _within(fn: Any, arg: Any, timeout: float) -> Any:
-    """``fn(arg)`` on a helper thread, at most ``timeout`` seconds (TimeoutError after)."""
-    box: dict[str, Any] = {}
+class _Bounded:
+    """Calls on a helper thread, each waited for at most ``timeout`` seconds. While a call that
+    timed out is still running, the next ones fail at once: a hung pool costs the scheduler one
+    timeout, not one per request and step, and never more than one thread."""
 
-    def run() -> None:
-        try:
-            box["value"] = fn(arg)
-        except BaseException as exc:  # handed to the caller
-            box["error"] = exc
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._running: threading.Thread | None = None
 
-    thread = threading.Thread(target=run, name="kvflow-lookup", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise TimeoutError(f"pool lookup took more than {timeout:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    def call(self, fn: Any, arg: Any) -> Any:
+        if self._running is not None and self._running.is_alive():
+            raise TimeoutError("an earlier pool lookup has not returned yet")
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn(arg)
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="kvflow-lookup", daemon=True)
+        self._running = thread
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"pool lookup took more than {self.timeout:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+
+def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse, at start, what the connector does not handle (rather than move wrong bytes)."""
+    groups = len(kv_cache_config.kv_cache_groups)
+    if groups != 1:
+        raise ConfigError("kv_cache_groups", groups, "kvflow's connector handles one group")
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    hash_block = getattr(kv_cache_config, "hash_block_size", None) or spec.block_size
+    if hash_block != spec.block_size:
+        raise ConfigError("hash_block_size", hash_block, f"must equal block_size={spec.block_size}")
+    parallel = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size"):
+        if getattr(parallel, name, 1) not in (None, 1):
+            raise ConfigError(name, getattr(parallel, name), "not supported by kvflow's connector")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ConfigError(
+            "speculative_config",
+            "set",
+            "speculative decoding is not supported by kvflow's connector",
+        )
+    policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+    if policy != "recompute":
+        log.warning(
+            "kvflow: kv_load_failure_policy=%r: a chunk that fails to load fails its request; "
+            "set it to 'recompute' to recompute the chunk instead",
+            policy,
+        )

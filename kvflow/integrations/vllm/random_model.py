@@ -1,8 +1,11 @@
-"""A tiny random Llama and a word-level tokenizer, built offline, for the vLLM tests.
+"""A random Llama and a word-level tokenizer, built offline: to try the connector, test it and
+benchmark it on a machine with no model downloads.
 
-``python -m tests.vllm.model DIR`` writes them to DIR (safetensors weights, config.json,
-tokenizer.json). The model is random: only what matters to a KV connector is real (layers, KV
-heads, head size, dtype); CPU attention needs head_size in {32, 64, 80, 96, 112, 128, ...}.
+``python -m kvflow.integrations.vllm.random_model DIR [--layers 8 --hidden 1024 ...]`` writes
+safetensors weights, config.json and tokenizer.json to DIR. The weights are random: what matters
+to a KV connector is real (layers, KV heads, head size, dtype, so the bytes per token); vLLM's
+CPU attention needs head_size (hidden / heads) in {32, 64, 80, 96, 112, 128, ...}. Needs
+``transformers`` and ``tokenizers`` (both come with vLLM).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ def build(directory: str, *, layers: int = 4, hidden: int = 256, heads: int = 4,
 
     out = Path(directory)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
+        return out  # built before (the directory names the shape: one build per shape)
     out.mkdir(parents=True, exist_ok=True)
     words = {"<unk>": 0, "<s>": 1, "</s>": 2}
     words.update({f"w{i}": i for i in range(3, VOCAB)})
@@ -52,5 +55,20 @@ def build(directory: str, *, layers: int = 4, hidden: int = 256, heads: int = 4,
     return out
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("directory")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    print(build(args.directory, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                kv_heads=args.kv_heads, dtype=args.dtype))  # fmt: skip
+
+
 if __name__ == "__main__":
-    print(build(sys.argv[1]))
+    main(sys.argv[1:])
