@@ -145,7 +145,7 @@ class EngineConfig:
         missing = sorted(set(cpus) - available) if available else []
         if missing:
             raise ConfigError(
-                "copy_cpus", cpus, f"CPUs {missing} are not available to this process"
+                "copy_cpus", cpus, f"CPUs {missing} are not online"
             )
         object.__setattr__(self, "copy_cpus", cpus)
 
@@ -177,7 +177,18 @@ def from_dict(cls: type[C], values: dict[str, Any]) -> C:
 
 
 def _available_cpus() -> set[int]:
+    """CPUs a thread of this process may be pinned to: those online, with the process's own
+    affinity (which a parent may have narrowed: an inference server binds its workers to the
+    compute cores, and the copy threads then go to another one). Empty off Linux."""
     try:
-        return set(os.sched_getaffinity(0))
+        cpus = set(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux: no pinning check possible
         return set()
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            for part in f.read().strip().split(","):
+                lo, _, hi = part.partition("-")
+                cpus.update(range(int(lo), int(hi or lo) + 1))
+    except (OSError, ValueError):
+        pass
+    return cpus

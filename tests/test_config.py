@@ -219,16 +219,30 @@ def test_every_field_is_validated() -> None:
     assert refused == {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def test_copy_cpus_refuses_a_cpu_this_process_cannot_run_on() -> None:
+def test_copy_cpus_refuses_a_cpu_that_is_not_online() -> None:
     available = os.sched_getaffinity(0)
-    missing = max(available) + 1
+    missing = max(max(available), os.cpu_count() or 1) + 1
 
     with pytest.raises(ConfigError) as info:
         EngineConfig(copy_cpus=(min(available), missing))
 
     assert info.value.argument == "copy_cpus"
     assert f"[{missing}]" in str(info.value)
-    assert "not available" in str(info.value)
+    assert "not online" in str(info.value)
+
+
+def test_copy_cpus_may_name_an_online_cpu_outside_the_process_affinity() -> None:
+    """An inference server binds its worker to the compute cores; the copy thread goes to
+    another core, which the worker's own affinity no longer lists."""
+    online = os.cpu_count() or 1
+    if online < 2:
+        pytest.skip("needs two CPUs")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        assert EngineConfig(copy_cpus=(online - 1,)).copy_cpus == (online - 1,)
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def test_copy_cpus_accepts_every_available_cpu_as_a_tuple() -> None:
