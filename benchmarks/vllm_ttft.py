@@ -15,7 +15,8 @@ P90 every time, so its tail is never found). TTFT is vLLM's own ``first_token_la
 Rows: ``recompute`` (no connector, no prefix cache), ``prefix_cache`` (vLLM's prefix cache: the
 KV already in device memory), ``kvflow_layerwise`` (shared pool; copy thread pinned to the core
 the model does not use), ``kvflow_floating`` (the same, not pinned), ``kvflow_non_layerwise``
-(every layer loaded before the forward), ``mooncake_store_connector`` (vLLM's, on a
+(every layer loaded before the forward), ``kvflow_two_threads`` (two copy threads, four layers
+of prefetch, not pinned), ``mooncake_store_connector`` (vLLM's, on a
 ``mooncake_master`` started here), ``kvflow_mooncake`` (kvflow on the same master).
 """
 
@@ -39,6 +40,7 @@ ROWS = (
     "prefix_cache",
     "kvflow_layerwise",
     "kvflow_floating",
+    "kvflow_two_threads",
     "kvflow_non_layerwise",
     "mooncake_store_connector",
     "kvflow_mooncake",
@@ -71,6 +73,8 @@ def row_config(row: str, work: str, master: str) -> tuple[dict[str, Any], dict[s
         connector = {**kvflow, "copy_cpus": [os.cpu_count() - 1 if os.cpu_count() else 0]}
     elif row == "kvflow_floating":
         connector = kvflow
+    elif row == "kvflow_two_threads":  # two layers copied at once, on either core
+        connector = {**kvflow, "copy_threads": 2, "prefetch_layers": 4}
     elif row == "kvflow_non_layerwise":
         connector = {**kvflow, "use_layerwise": False}
     elif row == "kvflow_mooncake":
@@ -248,6 +252,12 @@ def summarize(results: dict[str, Any]) -> dict[str, float]:
     ratio(
         "hit99_kvflow_mooncake_over_mooncake_connector",
         "kvflow_mooncake",
+        "mooncake_store_connector",
+        "hit99",
+    )
+    ratio(
+        "hit99_two_threads_over_mooncake_connector",
+        "kvflow_two_threads",
         "mooncake_store_connector",
         "hit99",
     )
