@@ -100,6 +100,16 @@ def planner(pool: FakePool, *, load: bool = True, save: bool = True) -> ChunkPla
     return ChunkPlanner(block_size=BS, chunk_blocks=CB, lookup=pool.lookup, load=load, save=save)
 
 
+def stored(
+    req_id: str, prompt_tokens: int, *, chunks: int
+) -> tuple[FakePool, FakeRequest, ChunkPlanner]:
+    """A pool holding the request's first ``chunks`` chunks, the request, and a planner."""
+    pool = FakePool()
+    req = request(req_id, prompt_tokens)
+    pool.store(req, range(chunks))
+    return pool, req, planner(pool)
+
+
 def match(p: ChunkPlanner, req: FakeRequest, num_computed: int = 0) -> int:
     """``matched_tokens`` for ``req``, as the connector calls it."""
     return p.matched_tokens(req.req_id, req.block_hashes, req.prompt_tokens, num_computed)
@@ -153,10 +163,7 @@ def test_full_hit_is_one_lookup_of_every_chunk_hash() -> None:
 
 @pytest.mark.parametrize("first_chunk", [1, 2, 4])
 def test_lookup_starts_at_num_computed(first_chunk: int) -> None:
-    pool = FakePool()
-    req = request("r", 5 * CT + 1)
-    pool.store(req, range(5))
-    p = planner(pool)
+    pool, req, p = stored("r", 5 * CT + 1, chunks=5)
 
     assert match(p, req, first_chunk * CT) == (5 - first_chunk) * CT
     assert pool.calls == [[req.chunk_hash(c) for c in range(first_chunk, 5)]]
@@ -177,10 +184,7 @@ def test_partial_hit_stops_at_the_first_miss(stored: set[int], hit_chunks: int) 
 
 
 def test_each_call_makes_its_own_single_lookup() -> None:
-    pool = FakePool()
-    req = request("r", 3 * CT + 1)
-    pool.store(req, range(3))
-    p = planner(pool)
+    pool, req, p = stored("r", 3 * CT + 1, chunks=3)
 
     assert match(p, req) == 3 * CT
     pool.stored.clear()
@@ -212,10 +216,7 @@ def test_a_hit_never_covers_the_last_prompt_token(prompt_tokens: int, hit_chunks
 
 
 def test_a_prompt_of_exactly_k_chunks_from_an_aligned_start() -> None:
-    pool = FakePool()
-    req = request("r", 4 * CT)
-    pool.store(req, range(4))
-    p = planner(pool)
+    pool, req, p = stored("r", 4 * CT, chunks=4)
 
     assert match(p, req, 2 * CT) == CT  # chunk 2 only: chunk 3 holds the last token
     assert pool.calls == [[req.chunk_hash(2)]]
@@ -234,10 +235,7 @@ def test_a_prompt_of_at_most_one_chunk_never_hits(prompt_tokens: int) -> None:
 
 @pytest.mark.parametrize("num_computed", [BS, CT + BS, 1, CT - 1, 3 * CT + 3])
 def test_num_computed_not_chunk_aligned_hits_nothing(num_computed: int) -> None:
-    pool = FakePool()
-    req = request("r", 5 * CT + 1)
-    pool.store(req, range(5))
-    p = planner(pool)
+    pool, req, p = stored("r", 5 * CT + 1, chunks=5)
 
     assert match(p, req, num_computed) == 0
     assert pool.calls == []
@@ -247,10 +245,7 @@ def test_num_computed_not_chunk_aligned_hits_nothing(num_computed: int) -> None:
 
 
 def test_num_computed_past_the_hit_range_hits_nothing() -> None:
-    pool = FakePool()
-    req = request("r", 3 * CT)
-    pool.store(req, range(3))
-    p = planner(pool)
+    pool, req, p = stored("r", 3 * CT, chunks=3)
 
     assert match(p, req, 3 * CT) == 0
     assert all(call == [] for call in pool.calls)
@@ -328,10 +323,7 @@ def test_load_carries_the_hit_chunks_blocks() -> None:
 
 
 def test_load_and_save_in_one_step_never_overlap() -> None:
-    pool = FakePool()
-    req = request("r", 5 * CT + 1)
-    pool.store(req, range(3))
-    p = planner(pool)
+    pool, req, p = stored("r", 5 * CT + 1, chunks=3)
 
     assert match(p, req) == 3 * CT
     p.allocated(req.req_id, 3 * CT)
@@ -343,10 +335,7 @@ def test_load_and_save_in_one_step_never_overlap() -> None:
 
 
 def test_a_load_happens_once() -> None:
-    pool = FakePool()
-    req = request("r", 3 * CT + 1)
-    pool.store(req, range(3))
-    p = planner(pool)
+    pool, req, p = stored("r", 3 * CT + 1, chunks=3)
     match(p, req)
     p.allocated(req.req_id, 3 * CT)
     blocks = list(range(7))
@@ -360,10 +349,7 @@ def test_a_load_happens_once() -> None:
 
 
 def test_allocated_zero_cancels_the_load() -> None:
-    pool = FakePool()
-    req = request("r", 3 * CT + 1)
-    pool.store(req, range(3))
-    p = planner(pool)
+    pool, req, p = stored("r", 3 * CT + 1, chunks=3)
 
     assert match(p, req) == 3 * CT
     p.allocated(req.req_id, 0)  # vLLM could not give the blocks: it computes everything
@@ -375,10 +361,7 @@ def test_allocated_zero_cancels_the_load() -> None:
 
 
 def test_allocated_fewer_tokens_loads_fewer_chunks() -> None:
-    pool = FakePool()
-    req = request("r", 4 * CT + 1)
-    pool.store(req, range(4))
-    p = planner(pool)
+    pool, req, p = stored("r", 4 * CT + 1, chunks=4)
 
     assert match(p, req) == 4 * CT
     p.allocated(req.req_id, 2 * CT)
@@ -390,10 +373,7 @@ def test_allocated_fewer_tokens_loads_fewer_chunks() -> None:
 
 
 def test_allocated_less_than_a_chunk_loads_nothing() -> None:
-    pool = FakePool()
-    req = request("r", 3 * CT + 1)
-    pool.store(req, range(3))
-    p = planner(pool)
+    pool, req, p = stored("r", 3 * CT + 1, chunks=3)
 
     assert match(p, req) == 3 * CT
     p.allocated(req.req_id, CT - 1)
@@ -417,10 +397,7 @@ def test_allocated_without_a_hit_loads_nothing() -> None:
 
 
 def test_a_later_match_replaces_an_unallocated_hit() -> None:
-    pool = FakePool()
-    req = request("r", 4 * CT + 1)
-    pool.store(req, range(4))
-    p = planner(pool)
+    pool, req, p = stored("r", 4 * CT + 1, chunks=4)
 
     assert match(p, req) == 4 * CT  # not scheduled this step: no allocation
     pool.stored.discard(req.chunk_hash(1))
@@ -572,10 +549,7 @@ def test_two_requests_in_one_step_are_planned_apart() -> None:
 
 
 def test_finished_forgets_the_request() -> None:
-    pool = FakePool()
-    req = request("r", 3 * CT + 1)
-    pool.store(req, range(3))
-    p = planner(pool)
+    pool, req, p = stored("r", 3 * CT + 1, chunks=3)
     match(p, req)
     p.allocated(req.req_id, 3 * CT)
     assert p.tracked == 1
