@@ -144,9 +144,7 @@ class EngineConfig:
         available = _available_cpus()
         missing = sorted(set(cpus) - available) if available else []
         if missing:
-            raise ConfigError(
-                "copy_cpus", cpus, f"CPUs {missing} are not online"
-            )
+            raise ConfigError("copy_cpus", cpus, f"CPUs {missing} are not online")
         object.__setattr__(self, "copy_cpus", cpus)
 
     @property
