@@ -9,8 +9,9 @@ Mooncake's own whole-object batch calls moving the same bytes, in one run, on on
   merit is kvflow / raw of the whole request (target >= 0.90 both ways). Every round's loaded
   bytes are checked, and its objects removed so the segment never fills.
 * master round trips per request batch, counted by the store (``stats().master_calls``) for a
-  save and for a lookup + load at several layer counts, with the ranged transfer calls beside
-  them: the round trips stay constant, the transfer calls grow with the layers.
+  save and for a lookup + load at several layer counts, with the ranged transfer calls and the
+  local copies (loads read straight from the store's own segment) beside them: the round trips
+  stay constant, the per-layer calls grow with the layers.
 """
 
 from __future__ import annotations
@@ -82,12 +83,14 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             for n in args.round_trip_layers
         ]
         sessions_api = store.stats().sessions_api
+        local_reads = store.stats().local_endpoint != ""
     del tensors
     result: dict[str, Any] = {
         "mc_store_memcpy": os.environ.get("MC_STORE_MEMCPY", "(unset: Mooncake's default)"),
         "throughput": throughput,
         "round_trips": round_trips,
         "sessions_api": sessions_api,
+        "local_reads": local_reads,
     }
     _print(result, report)
     constant = all(len({r[k] for r in round_trips}) == 1 for k in ("save_master", "load_master"))
@@ -283,6 +286,7 @@ async def _count_round_trips(store: MooncakeStore, layers: int) -> dict[str, int
         "save_transfers": s1.copy_calls - s0.copy_calls,
         "load_master": s2.master_calls - s1.master_calls,
         "load_transfers": s2.copy_calls - s1.copy_calls,
+        "load_local": s2.local_copies - s1.local_copies,
     }
 
 
@@ -307,7 +311,14 @@ def _print(result: dict[str, Any], report: Report) -> None:
     )
     report.table(
         "Mooncake calls per request batch (counted by the store)",
-        ["layers", "save: master", "save: transfers", "lookup+load: master", "load: transfers"],
+        [
+            "layers",
+            "save: master",
+            "save: transfers",
+            "lookup+load: master",
+            "load: transfers",
+            "load: local copies",
+        ],
         [
             (
                 r["layers"],
@@ -315,6 +326,7 @@ def _print(result: dict[str, Any], report: Report) -> None:
                 r["save_transfers"],
                 r["load_master"],
                 r["load_transfers"],
+                r["load_local"],
             )
             for r in result["round_trips"]
         ],
@@ -351,6 +363,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     calls.plot(layers, [r["save_master"] for r in rows], marker="o", label="save: master")
     calls.plot(layers, [r["load_master"] for r in rows], marker="s", label="lookup+load: master")
     calls.plot(layers, [r["load_transfers"] for r in rows], ls="--", label="load: transfer calls")
+    calls.plot(layers, [r["load_local"] for r in rows], ls=":", label="load: local copies")
     calls.set(xlabel="layers", ylabel="calls per request batch", title="Mooncake calls per batch")
     calls.set_yscale("log")
     calls.grid(alpha=0.3)

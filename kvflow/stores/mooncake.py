@@ -12,8 +12,18 @@ the whole layer:
     finish_write batch_put_session_end / _revoke          one round trip
     lookup       batch_is_exist                           one round trip
     open_read    batch_get_session_start                  one round trip (replicas cached)
+                 (+ batch_get_replica_desc, local reads)  one round trip
     batch_copy   batch_get_into_multi_buffer_ranges       per layer; no master round trip
     close_read   batch_get_session_end                    one round trip
+
+Local reads: Mooncake's ranged calls go through its transfer engine even when the object lies
+in this process's own segment (the usual case on one node: ``prefer_local_segment``). So
+``open_read`` also asks for the objects' replicas, and a layer's ranges of an object whose
+replica is in this process's segment are copied straight from it by kvflow's copy loop, while
+the master's lease (taken by that query) protects it: within ``local_read_window_s`` of the
+query, after which they go through the transfer engine again. Which endpoint is this
+process's own is learnt once, at setup, by putting a probe object into the own segment and
+reading its bytes back at the address the master reports (see ``_own_endpoint``).
 
 Without the session calls (older Mooncake), a save keeps its ranges and puts whole objects at
 ``finish_write`` (``batch_put_from_multi_buffers``: the local memory must stay unchanged until
@@ -31,8 +41,10 @@ alive (transfers go peer to peer); when they cannot, they fail their chunks.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +63,7 @@ from kvflow.errors import (
     StoreUnavailableError,
 )
 from kvflow.stores.base import Direction, ReadSession, Store, WriteSession, WriteStatus
+from kvflow.stores.copyloop import copy_ranges
 from kvflow.stores.mooncake_config import MooncakeConfig
 from kvflow.stores.regions import LocalRegions
 
@@ -88,6 +101,8 @@ class MooncakeStats:
     sessions_api: bool = True
     master_calls: int = 0  # calls that talk to the master (metadata)
     copy_calls: int = 0  # ranged transfer calls (no master round trip in session mode)
+    local_copies: int = 0  # batch_copy calls whose ranges were all read from the own segment
+    local_endpoint: str = ""  # this process's segment, when local reads are on and it has one
     no_space: int = 0
     exists: int = 0
     lease_conflicts: int = 0
@@ -143,6 +158,7 @@ class MooncakeStore(Store):
         self._handles = itertools.count(1)
         self._regions = LocalRegions()
         self._registered: dict[tuple[int, int], int] = {}  # span -> registrations
+        self._local: dict[int, tuple[int, int, float]] = {}  # slot -> (address, size, until)
         self._closed = False
         cfg = self.config
         try:
@@ -167,6 +183,7 @@ class MooncakeStore(Store):
             )
         if cfg.prefer_local_segment and int(cfg.global_segment_size) > 0:
             self._replicate.preferred_segment = self._client.get_hostname()
+        self._stats.local_endpoint = self._own_endpoint()
         if not self._stats.sessions_api:
             log.warning("kvflow: this Mooncake has no session calls; saves put whole objects")
 
@@ -279,6 +296,8 @@ class MooncakeStore(Store):
                 for key in np.asarray(keys, dtype=object)[found].tolist():
                     self._reading[key] = self._reading.get(key, 0) + 1
             handle, addrs = self._open(keys, found, False, 0)
+            if self._stats.local_endpoint and found.any():
+                self._map_local(handle)
         return ReadSession(handle, keys, addrs, found)
 
     def close_read(self, session: ReadSession) -> None:
@@ -329,23 +348,98 @@ class MooncakeStore(Store):
             shown = hex(int(pool_addrs[bad][0]))
             raise InvalidArgumentError("pool_addrs", shown, "not an address this store handed out")
         writing = direction == Direction.TO_POOL
-        unique = np.unique(slots).tolist()
+        unique, inverse = np.unique(slots, return_inverse=True)
+        held: dict[int, str] = {}  # slot -> key, for slots of open sessions of this direction
+        base = np.zeros(unique.size, dtype=np.int64)  # per slot: address in the own segment
+        room = np.zeros(unique.size, dtype=np.int64)  # and the object's size there
+        now = time.monotonic()
         with self._lock:  # a slot of a finished session (or the other direction) fails
-            owners = {s: self._slots.get(s) for s in unique}
-        held = {s: o[0] for s, o in owners.items() if o is not None and o[1] == writing}
-        order = np.argsort(slots, kind="stable")
-        groups = np.split(order, np.flatnonzero(np.diff(slots[order])) + 1)
-        failed = np.zeros(pool_addrs.shape[0], dtype=bool)
-        live = [g for g in groups if int(slots[g[0]]) in held]
-        for g in groups:
-            if int(slots[g[0]]) not in held:
-                failed[g] = True
-        if live:
-            results = self._transfer(live, held, slots, offsets, local_addrs, sizes, writing)
-            for g, ok in zip(live, results, strict=True):
+            for i, slot in enumerate(unique.tolist()):
+                owner = self._slots.get(slot)
+                if owner is None or owner[1] != writing:
+                    continue
+                held[slot] = owner[0]
+                where = None if writing else self._local.get(slot)
+                if where is not None and now < where[2]:
+                    base[i], room[i] = where[0], where[1]
+        known = np.array([slot in held for slot in unique.tolist()], dtype=bool)
+        failed = ~known[inverse]
+        direct = (base[inverse] != 0) & (sizes <= room[inverse] - offsets)
+        if direct.any():  # read straight from the own segment (see the module docstring)
+            d = np.flatnonzero(direct)
+            copy_ranges(local_addrs[d], base[inverse[d]] + offsets[d], sizes[d])
+            if d.size == pool_addrs.size:
+                with self._lock:
+                    self._stats.local_copies += 1
+        rest = np.flatnonzero(~failed & ~direct)
+        if rest.size:  # one ranged call through the transfer engine for every other key
+            order = rest[np.argsort(slots[rest], kind="stable")]
+            groups = np.split(order, np.flatnonzero(np.diff(slots[order])) + 1)
+            results = self._transfer(groups, held, slots, offsets, local_addrs, sizes, writing)
+            for g, ok in zip(groups, results, strict=True):
                 if not ok:
                     failed[g] = True
         return np.flatnonzero(failed)
+
+    def _map_local(self, handle: int) -> None:
+        """Note which objects of a read session lie in the own segment, and where. The query
+        is a master call that also renews the objects' leases; a failure only means the
+        session's copies go through the transfer engine."""
+        with self._lock:
+            s = self._sessions[handle]
+            keys = {pos: s.keys[pos] for pos in s.slots}
+        until = time.monotonic() + self.config.local_read_window_s
+        try:
+            replicas = self._master("batch_get_replica_desc", list(keys.values()))
+        except StoreError as exc:
+            log.debug("kvflow: no local reads for this session: %s", exc)
+            return
+        prefix = self.config.key_prefix
+        with self._lock:
+            for pos, key in keys.items():
+                where = _in_segment(replicas.get(prefix + key, ()), self._stats.local_endpoint)
+                if where is not None and pos in s.slots and handle in self._sessions:
+                    self._local[s.slots[pos]] = (*where, until)
+
+    def _own_endpoint(self) -> str:
+        """The transfer endpoint of this process's own segment ("" when local reads are off,
+        there is no own segment, or it cannot be told). A probe object is put with the own
+        segment preferred; the endpoint of its replica is the own one only if its address lies
+        in readable memory of this process and holds the probe's random bytes there."""
+        cfg = self.config
+        if not cfg.local_reads or int(cfg.global_segment_size) == 0:
+            return ""
+        if not hasattr(self._client, "batch_get_replica_desc"):
+            return ""
+        probe = os.urandom(4096)
+        key = f"{cfg.key_prefix}kvflow-probe/{probe[:8].hex()}"
+        config = _mooncake().ReplicateConfig()
+        config.replica_num = 1
+        config.preferred_segment = self._client.get_hostname()
+        try:
+            if self._call("put", self._client.put, key, probe, config) != OK:
+                return ""
+            try:
+                replicas = self._call(
+                    "batch_get_replica_desc", self._client.batch_get_replica_desc, [key]
+                )
+            finally:
+                self._call("batch_remove", self._client.batch_remove, [key], True)
+        except StoreError as exc:
+            log.debug("kvflow: Mooncake local reads off: %s", exc)
+            return ""
+        for replica in replicas.get(key, ()):
+            if not replica.is_memory_replica():
+                continue
+            buf = replica.get_memory_descriptor().buffer_descriptor
+            addr, size = int(buf.buffer_address), int(buf.size)
+            if (
+                size == len(probe)
+                and _readable(addr, size)
+                and ctypes.string_at(addr, size) == probe
+            ):
+                return str(buf.transport_endpoint)
+        return ""
 
     @property
     def client(self) -> Any:
@@ -377,6 +471,7 @@ class MooncakeStore(Store):
             sessions = list(self._sessions.values())
             self._sessions.clear()
             self._slots.clear()
+            self._local.clear()
         with self._meta_lock:  # revoked and ended below, or by Mooncake's own timeouts
             self._writing.clear()
             self._reading.clear()
@@ -396,6 +491,7 @@ class MooncakeStore(Store):
         return (
             f"MooncakeStore(master={self.config.master_server_address!r}, "
             f"sessions={len(self._sessions)}, sessions_api={self._stats.sessions_api}, "
+            f"local_reads={self._stats.local_endpoint or 'off'}, "
             f"closed={self._closed})"
         )
 
@@ -594,6 +690,7 @@ class MooncakeStore(Store):
             del self._sessions[handle]
             for slot in s.slots.values():
                 del self._slots[slot]
+                self._local.pop(slot, None)
                 self._free.append(slot)
         return s
 
@@ -625,6 +722,32 @@ class MooncakeStore(Store):
             raise StoreUnavailableError(
                 f"Mooncake {what}: the master is unreachable", int(errors[0])
             )
+
+
+def _in_segment(replicas: Any, endpoint: str) -> tuple[int, int] | None:
+    """(address, size) of a complete in-memory replica at ``endpoint``, if there is one."""
+    complete = _mooncake().ReplicaStatus.COMPLETE
+    for replica in replicas:
+        if not replica.is_memory_replica() or replica.status != complete:
+            continue
+        buf = replica.get_memory_descriptor().buffer_descriptor
+        if str(buf.transport_endpoint) == endpoint:
+            return int(buf.buffer_address), int(buf.size)
+    return None
+
+
+def _readable(addr: int, size: int) -> bool:
+    """Whether [addr, addr + size) lies in one readable mapping of this process."""
+    try:
+        with open("/proc/self/maps", encoding="ascii") as maps:
+            for line in maps:
+                span, perms = line.split()[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if lo <= addr and addr + size <= hi:
+                    return perms.startswith("r")
+    except OSError:
+        return False
+    return False
 
 
 def _mooncake() -> Any:

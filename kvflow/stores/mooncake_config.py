@@ -41,6 +41,11 @@ class MooncakeConfig:
             (saves go over local memory; the allocator falls back to other segments when full).
         key_prefix: prepended to every key kvflow stores: separates deployments (or tests)
             that share one Mooncake cluster.
+        local_reads: a load of an object held in this process's own segment copies straight
+            from it (kvflow's copy loop) instead of through Mooncake's transfer engine.
+        local_read_window_s: how long after a load's replica query such direct copies are
+            made; later ones go through the transfer engine. Keep it well below the master's
+            lease (``--default_kv_lease_ttl``, 5 s by default), which protects the object.
         timeout_s: each metadata call may take this long before the store counts as down.
     """
 
@@ -55,6 +60,8 @@ class MooncakeConfig:
     prefer_local_segment: bool = True
     key_prefix: str = ""
     timeout_s: float = 10.0
+    local_reads: bool = True
+    local_read_window_s: float = 1.0
 
     def __post_init__(self) -> None:
         master = self.master_server_address
@@ -79,9 +86,11 @@ class MooncakeConfig:
         replicas = self.replica_num
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ConfigError("replica_num", replicas, "must be an integer >= 1")
-        if not isinstance(self.prefer_local_segment, bool):
-            raise ConfigError("prefer_local_segment", self.prefer_local_segment, "must be a bool")
+        for name in ("prefer_local_segment", "local_reads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "must be a bool")
         _positive_float("timeout_s", self.timeout_s)
+        _positive_float("local_read_window_s", self.local_read_window_s)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> MooncakeConfig:
@@ -117,16 +126,18 @@ class MooncakeConfig:
                 if not raw.strip().isdigit():
                     raise ConfigError(ENV_PREFIX + "REPLICA_NUM", raw, "must be an integer")
                 values[f.name] = int(raw)
-            elif f.name == "prefer_local_segment":
+            elif f.name in ("prefer_local_segment", "local_reads"):
                 flag = raw.strip().lower()
                 if flag not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ConfigError(ENV_PREFIX + "PREFER_LOCAL_SEGMENT", raw, "must be 1 or 0")
+                    raise ConfigError(ENV_PREFIX + f.name.upper(), raw, "must be 1 or 0")
                 values[f.name] = flag in ("1", "true", "yes")
-            elif f.name == "timeout_s":
+            elif f.name in ("timeout_s", "local_read_window_s"):
                 try:
                     values[f.name] = float(raw)
                 except ValueError:
-                    raise ConfigError(ENV_PREFIX + "TIMEOUT_S", raw, "must be a number") from None
+                    raise ConfigError(
+                        ENV_PREFIX + f.name.upper(), raw, "must be a number"
+                    ) from None
             else:
                 values[f.name] = raw
         return cls(**values)

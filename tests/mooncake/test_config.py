@@ -23,6 +23,7 @@ def test_defaults() -> None:
     assert cfg.global_segment_size == 1 << 30
     assert cfg.local_buffer_size == 16 << 20
     assert cfg.replica_num == 1 and cfg.prefer_local_segment
+    assert cfg.local_reads and cfg.local_read_window_s == 1.0
     assert cfg.local_hostname  # this host's name
 
 
@@ -45,6 +46,9 @@ def test_defaults() -> None:
         ("timeout_s", 0),
         ("timeout_s", float("nan")),
         ("prefer_local_segment", "yes"),
+        ("local_reads", 1),
+        ("local_read_window_s", 0),
+        ("local_read_window_s", "1s"),
         ("key_prefix", 3),
     ],
 )
@@ -90,12 +94,17 @@ def test_from_env_reads_the_json_file_then_variables_on_top(tmp_path: Path) -> N
             "KVFLOW_MOONCAKE_GLOBAL_SEGMENT_SIZE": "2GiB",
             "KVFLOW_MOONCAKE_PREFER_LOCAL_SEGMENT": "0",
             "KVFLOW_MOONCAKE_TIMEOUT_S": "2.5",
+            "KVFLOW_MOONCAKE_LOCAL_READS": "no",
+            "KVFLOW_MOONCAKE_LOCAL_READ_WINDOW_S": "0.5",
         }
     )
     assert cfg.master_server_address == MASTER
     assert (cfg.replica_num, cfg.global_segment_size) == (3, 2 << 30)
     assert (cfg.prefer_local_segment, cfg.timeout_s) == (False, 2.5)
-    for name, raw in [("REPLICA_NUM", "two"), ("TIMEOUT_S", "soon"), ("PREFER_LOCAL_SEGMENT", "?")]:
+    assert (cfg.local_reads, cfg.local_read_window_s) == (False, 0.5)
+    bad = [("REPLICA_NUM", "two"), ("TIMEOUT_S", "soon"), ("PREFER_LOCAL_SEGMENT", "?")]
+    bad += [("LOCAL_READS", "maybe"), ("LOCAL_READ_WINDOW_S", "later")]
+    for name, raw in bad:
         env = {"KVFLOW_MOONCAKE_MASTER_SERVER_ADDRESS": MASTER, f"KVFLOW_MOONCAKE_{name}": raw}
         with pytest.raises(kvflow.ConfigError, match=name):
             MooncakeConfig.from_env(env)
