@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["PinnedExecutor", "pin_current_thread"]
+__all__ = ["PinnedExecutor", "call_pinned", "pin_current_thread"]
 
 T = TypeVar("T")
 
@@ -22,6 +22,32 @@ def pin_current_thread(cpus: tuple[int, ...]) -> bool:
     except OSError:  # pinning is an optimisation, not a requirement
         return False
     return True
+
+
+def call_pinned(cpus: tuple[int, ...], fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a new thread pinned to ``cpus``, waited for; its result or exception.
+
+    Threads that ``fn`` starts inherit the pinning: a store whose client runs transfer threads
+    of its own (Mooncake) is created this way so that they stay off the cores that compute.
+    """
+    if not cpus:
+        return fn(*args)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        pin_current_thread(cpus)
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="kvflow-pinned-call")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
 
 
 class PinnedExecutor:

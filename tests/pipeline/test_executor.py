@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
 
 import kvflow
-from kvflow.pipeline.executor import PinnedExecutor
+from kvflow.pipeline.executor import PinnedExecutor, call_pinned
 from tests.conftest import make_caches
 from tests.pipeline.wrappers import WrappedStore
 
@@ -40,3 +41,27 @@ def test_unpinned_executor_leaves_affinity_alone() -> None:
         assert "in_flight=0" in repr(pool)
     finally:
         pool.shutdown(wait=True)
+
+
+@pytest.mark.skipif(not CPUS, reason="CPU affinity is a Linux feature")
+def test_call_pinned_runs_pinned_and_threads_it_starts_inherit_it() -> None:
+    target = (CPUS[-1],)
+
+    def start_a_thread() -> list[int]:
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: seen.extend(sorted(os.sched_getaffinity(0))))
+        t.start()
+        t.join(5)
+        return seen
+
+    assert call_pinned(target, start_a_thread) == list(target)
+    assert sorted(os.sched_getaffinity(0)) == CPUS, "the caller was re-pinned"
+    assert call_pinned((), start_a_thread) == CPUS  # no CPUs: no pinning
+
+
+def test_call_pinned_raises_what_the_call_raised() -> None:
+    def fail() -> None:
+        raise kvflow.StoreUnavailableError("no pool")
+
+    with pytest.raises(kvflow.StoreUnavailableError, match="no pool"):
+        call_pinned(tuple(CPUS[-1:]), fail)

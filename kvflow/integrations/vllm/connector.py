@@ -41,6 +41,7 @@ from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
 from kvflow.keys import ChunkHashes, KeySpace
+from kvflow.pipeline.executor import call_pinned
 from kvflow.pipeline.sync import SyncLoadHandle, SyncSaveHandle, SyncTransferEngine
 from kvflow.pipeline.transfer import _STRAGGLER_GRACE
 from kvflow.results import ChunkStatus, TransferResult
@@ -198,8 +199,11 @@ class KVFlowConnector(KVConnectorBase_V1):
         """The configured pool, or None (logged) when it cannot be reached: then every lookup
         misses and nothing is saved, and vLLM runs as without the connector."""
         kind = self.config.store
+        # Mooncake's client moves bytes on threads of its own: a worker's run on the copy CPUs
+        # (the shared pool's server, which a store may start, is not pinned to one worker's)
+        cpus = self.config.copy_cpus if kind == "mooncake" and not scheduler else ()
         try:
-            store = _make_store(self.config, scheduler=scheduler)
+            store = call_pinned(cpus, _make_store, self.config, scheduler)
         except KVFlowError as exc:
             self._store_error = f"{type(exc).__name__}: {exc}"
             log.error("kvflow: the %s pool is unavailable (%s); running without it", kind, exc)
@@ -522,7 +526,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         return KVFlowConnectorStats(data=dict(data)) if data is not None else KVFlowConnectorStats()
 
 
-def _make_store(config: ConnectorConfig, *, scheduler: bool) -> Store:
+def _make_store(config: ConnectorConfig, scheduler: bool) -> Store:
     """The pool the config names. The scheduler only looks up: a Mooncake scheduler is a pure
     client. ``local`` gives one embedded pool per process (scheduler and worker must share it)."""
     if config.store == "shared":
