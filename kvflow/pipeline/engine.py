@@ -117,7 +117,11 @@ class TransferEngine:
         back MISSING, chunks whose copy fails FAILED: their blocks must be recomputed.
         """
         self._check_open()
-        plan = self._plan(requests, load=True)
+        return await self._open_load(self._plan(requests, load=True))
+
+    async def _open_load(self, plan: BatchPlan) -> LoadHandle:
+        """The store half of ``start_load``, for a plan made (and checked) already."""
+        self._check_open()
         status = np.full(plan.num_chunks, ChunkStatus.FAILED, dtype=np.int8)
         session = None
         if plan.num_chunks:
@@ -237,8 +241,10 @@ class TransferEngine:
         return plan_batch(self.layout, self.keyspace, requests, self.config.chunk_blocks, load=load)
 
     def _track(self, cls: type[H], plan: BatchPlan, session: Any, *args: Any) -> H:
-        """Build a handle; if that fails, the session it was given is released first."""
+        """Build a handle; if that fails (or the engine closed while the session opened), the
+        session it was given is released first."""
         try:
+            self._check_open()
             handle = cls(self, plan, session, *args)
         except BaseException:
             if isinstance(session, ReadSession):

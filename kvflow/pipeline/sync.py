@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvflow.config import EngineConfig
-from kvflow.errors import ClosedError, TransferTimeoutError
+from kvflow.errors import ClosedError, KVFlowError, TransferTimeoutError
 from kvflow.keys import KeySpace
 from kvflow.layout import KVLayout
 from kvflow.pipeline.engine import Request, TransferEngine
@@ -102,13 +102,17 @@ class SyncTransferEngine:
     def save(self, token_ids: Any, block_ids: Any, timeout: float | None = None) -> TransferResult:
         return self._call(self.engine.save(token_ids, block_ids), timeout, "save")
 
-    def start_load(
-        self, requests: Sequence[Request], timeout: float | None = None
-    ) -> SyncLoadHandle:
-        handle = self._call(
-            self.engine.start_load(requests), timeout, "start_load", on_late=LoadHandle.aclose
-        )
-        return SyncLoadHandle(self, handle)
+    def start_load(self, requests: Sequence[Request]) -> SyncLoadHandle:
+        """Start loading a batch; returns without waiting for the store. The requests are
+        checked here (bad ones raise at once); the pool's session is opened on the engine's
+        loop while the caller goes on, and the first ``wait_layer`` waits for it (within its
+        own timeout): a forward's first layers overlap the store's round trip."""
+        if self._closed:
+            raise ClosedError("SyncTransferEngine")
+        self.engine._check_open()
+        plan = self.engine._plan(requests, load=True)
+        opening = asyncio.run_coroutine_threadsafe(self.engine._open_load(plan), self._loop)
+        return SyncLoadHandle(self, opening)
 
     def start_save(
         self, requests: Sequence[Request], timeout: float | None = None
@@ -187,20 +191,73 @@ class _SyncHandle:
         self.close()
 
 
-class SyncLoadHandle(_SyncHandle):
-    """Blocking view of a LoadHandle. One loop hop per ``wait_layer``, sent without waiting."""
+class SyncLoadHandle:
+    """Blocking view of a LoadHandle whose store session may still be opening (see
+    ``SyncTransferEngine.start_load``). One loop hop per ``wait_layer``, sent without waiting.
+    An open that fails (the store down, the engine closed) raises from the first wait."""
 
-    handle: LoadHandle
-
-    def __init__(self, owner: SyncTransferEngine, handle: LoadHandle) -> None:
-        super().__init__(owner, handle)
+    def __init__(
+        self, owner: SyncTransferEngine, opening: concurrent.futures.Future[LoadHandle]
+    ) -> None:
+        self._owner = owner
+        self._opening = opening
+        self._handle: LoadHandle | None = None
         self._passed = -1  # the last layer this caller has waited for
+
+    @property
+    def handle(self) -> LoadHandle:
+        """The engine's LoadHandle, once open (waits at most ``op_timeout_s``)."""
+        return self._opened(None)
+
+    def _opened(self, timeout: float | None) -> LoadHandle:
+        if self._handle is None:
+            limit = self._owner._timeout if timeout is None else timeout
+            try:
+                self._handle = self._opening.result(limit)
+            except concurrent.futures.TimeoutError:
+                raise TransferTimeoutError("start_load's store session", limit) from None
+            except concurrent.futures.CancelledError:
+                raise ClosedError("LoadHandle") from None
+        return self._handle
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        h = self._opened(timeout)
+        return self._owner._call(h.wait(timeout), self._owner._outer(timeout), "wait")
+
+    def close(self) -> None:
+        """Stop the batch; its leases are released. Does not wait for a session still
+        opening: that one is released as soon as it opens (``done()`` says when)."""
+        if self._handle is None and not self._opening.done():  # closed when it opens
+            self._opening.add_done_callback(
+                lambda f: _hand_over(f, LoadHandle.aclose, self._owner._loop)
+            )
+            return
+        try:
+            h = self._opened(None)
+        except KVFlowError:  # the open failed: nothing to close
+            return
+        self._owner._call(h.aclose(), None, "close")
+
+    def done(self) -> bool:
+        if self._handle is None:
+            if not self._opening.done():
+                return False
+            if self._opening.cancelled() or self._opening.exception() is not None:
+                return True
+            self._handle = self._opening.result()
+        return self._handle.done()
+
+    def __enter__(self) -> SyncLoadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer`` is in device memory; moves the prefetch window forward."""
-        h = self.handle
-        layer = h._engine.layout.check_layer(layer)
         limit = self._owner._timeout if timeout is None else timeout
+        h = self._opened(limit)
+        layer = h._engine.layout.check_layer(layer)
         loop = self._owner._loop
         if layer > self._passed + 1:  # layers skipped: they must not hold the window shut
             loop.call_soon_threadsafe(h._consume, layer - 1)

@@ -110,3 +110,71 @@ def test_sync_layer_written_returns_at_once_and_blocks_only_at_a_full_backlog(
         for c in caches:
             assert torch.equal(c[5:7].view(torch.uint8), c[0:2].view(torch.uint8))
     dispose(store)
+
+
+class SlowOpen(WrappedStore):
+    """A real LocalStore whose ``open_read`` waits for ``gate`` (a slow pool round trip)."""
+
+    def __init__(self) -> None:
+        super().__init__(kvflow.LocalStore("8MiB"))
+        self.gate = threading.Event()
+        self.opened = threading.Event()
+
+    def open_read(self, keys):  # type: ignore[no-untyped-def]
+        self.gate.wait(10)
+        try:
+            return super().open_read(keys)
+        finally:
+            self.opened.set()
+
+
+def saved_engine(store: kvflow.Store, caches: list[torch.Tensor]) -> kvflow.SyncTransferEngine:
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    engine = kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=1))
+    assert engine.save(np.arange(32), [0, 1]).ok
+    return engine
+
+
+def test_start_load_returns_before_the_store_session_opens() -> None:
+    caches = make_caches(3)
+    store = SlowOpen()
+    engine = saved_engine(store, caches)
+    start = time.monotonic()
+    handle = engine.start_load([(np.arange(32), [6, 7])])
+    assert time.monotonic() - start < 0.5 and not store.opened.is_set()
+    assert not handle.done()
+    threading.Timer(0.1, store.gate.set).start()
+    for layer in range(3):
+        handle.wait_layer(layer, timeout=5)  # the first waits for the open, then the copy
+    assert handle.wait(timeout=5).ok and handle.done()
+    for c in caches:
+        assert torch.equal(c[6:8].view(torch.uint8), c[0:2].view(torch.uint8))
+    engine.close()
+    assert store.usage().leases == 0
+    store.close()
+
+
+def test_start_load_refuses_bad_requests_at_once() -> None:
+    store = SlowOpen()
+    engine = saved_engine(store, make_caches(3))
+    with pytest.raises(kvflow.InvalidArgumentError, match="block_ids"):
+        engine.start_load([(np.arange(32), [6, 10_000])])
+    assert not store.opened.is_set()  # the store was not asked
+    engine.close()
+    store.close()
+
+
+def test_a_load_closed_while_its_session_opens_releases_it_when_it_opens() -> None:
+    store = SlowOpen()
+    engine = saved_engine(store, make_caches(3))
+    handle = engine.start_load([(np.arange(32), [6, 7])])
+    with pytest.raises(kvflow.TransferTimeoutError, match="store session"):
+        handle.wait_layer(0, timeout=0.05)
+    handle.close()  # returns: the session is not open yet
+    store.gate.set()
+    deadline = time.monotonic() + 5
+    while not (handle.done() and store.usage().leases == 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handle.done() and store.usage().leases == 0 and store.usage().open_sessions == 0
+    engine.close()
+    store.close()
