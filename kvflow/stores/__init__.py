@@ -11,6 +11,8 @@ from kvflow.stores.base import (
 )
 from kvflow.stores.instrumented import CopyRecord, InstrumentedStore
 from kvflow.stores.local import LocalStore
+from kvflow.stores.memcache import MemcacheStats, MemcacheStore
+from kvflow.stores.memcache_config import MemcacheConfig
 from kvflow.stores.mooncake import MooncakeStats, MooncakeStore
 from kvflow.stores.mooncake_config import MooncakeConfig
 from kvflow.stores.mooncake_master import MooncakeMaster
@@ -21,6 +23,9 @@ __all__ = [
     "Direction",
     "InstrumentedStore",
     "LocalStore",
+    "MemcacheConfig",
+    "MemcacheStats",
+    "MemcacheStore",
     "MooncakeConfig",
     "MooncakeMaster",
     "MooncakeStats",

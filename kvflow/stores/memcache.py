@@ -1,0 +1,588 @@
+"""MemcacheStore: Ascend MemFabric's memcache (``memcache_hybrid``) behind kvflow's Store interface.
+
+Memcache hands out global virtual addresses (GVAs): an object is one range of a pool that spans
+every node, and ``batch_copy`` moves bytes between GVAs and local memory with no metadata. So
+kvflow's pool addresses are memcache's own GVAs, resolved once per request batch:
+
+    lookup       batch_get_key_info(keys, READABLE)        one meta round trip
+    open_write   batch_is_exist, batch_alloc(absent keys)  two (three when an allocation failed)
+    batch_copy   batch_copy(gvas, ptrs, sizes, H2G|L2G)    per layer; no metadata
+    finish_write batch_write_finish(keys, results)         one: commits and aborts together
+    open_read    batch_add_lease, batch_get_key_info       two: the lease first, then the GVAs
+    batch_copy   batch_copy(gvas, ptrs, sizes, G2H|G2L)    per layer; no metadata
+    close_read   batch_remove_lease                        one (keys no other session here reads)
+
+Memcache's own rules the store keeps: ``batch_alloc`` is not idempotent (a key is allocated
+once; this store remembers the keys it is writing and never allocates one twice); an object is
+readable only after ``batch_write_finish`` (a failed result removes it); a process holds one
+read lease per key (``batch_add_lease`` again renews it, one ``batch_remove_lease`` ends it), so
+read sessions sharing a key share the lease (reference counts). A copy only ever touches a GVA
+range this store holds: a granted write, or an object under a read lease that has not run past
+``read_lease_ttl_ms`` (checked before and after the copy); anything else is refused.
+
+Where the binding has no ``batch_write_finish`` (memcache before 1.3), objects are readable
+from allocation: commits need no call, aborts remove the object (``remove_batch``), other
+processes may see an object before all its layers are in, and ``stats().write_finish_api`` is
+false (a warning says so). Native codes are translated here: a key already stored is EXISTS,
+no memory is NO_SPACE, other refusals fail their chunks; a call that fails for every key, a
+short answer, or a call past ``timeout_s`` raises StoreUnavailableError.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvflow.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    StoreError,
+    StoreUnavailableError,
+)
+from kvflow.stores.base import Direction, ReadSession, Store, WriteSession, WriteStatus
+from kvflow.stores.memcache_client import (
+    ADDRESS_LIMIT,
+    DOWN,
+    MAX_KEY_BYTES,
+    MISSING,
+    NO_MEMORY,
+    OBJECT_EXISTS,
+    READABLE,
+    WRITE_FAIL,
+    WRITE_OK,
+    copy_batches,
+    copy_directions,
+    is_zero,
+    native_code,
+    start_client,
+)
+from kvflow.stores.memcache_config import MemcacheConfig
+from kvflow.stores.regions import HeldSpans, LocalRegions
+
+__all__ = ["MemcacheStats", "MemcacheStore"]
+
+log = logging.getLogger("kvflow")
+_LEASE_MARGIN = 0.1  # a read lease counts as lost this share of its time before memcache's
+
+
+@dataclass
+class MemcacheStats:
+    """What the store did, counted (not assumed)."""
+
+    write_finish_api: bool = True
+    meta_calls: int = 0  # calls that talk to the meta service
+    copy_calls: int = 0  # memcache batch_copy calls
+    copy_failures: int = 0  # of those, the ones that returned non-zero or raised
+    no_space: int = 0
+    exists: int = 0
+    failed_keys: int = 0
+    lease_failures: int = 0  # keys batch_add_lease or batch_remove_lease refused
+    expired_leases: int = 0  # ranges failed because their read lease ran past its limit
+    unavailable: int = 0  # metadata calls that found memcache unreachable
+    open_sessions: int = 0
+    pending_writes: int = 0  # objects this store has allocated and not finished
+    leases: int = 0  # objects held by this store's read sessions (one per session and key)
+    codes: dict[int, int] = field(default_factory=dict)  # native code -> times seen
+
+
+@dataclass(eq=False)
+class _Session:
+    keys: tuple[str, ...]
+    held: np.ndarray  # positions of the granted (write) or found (read) keys
+    writing: bool
+
+
+class MemcacheStore(Store):
+    """A Store on Ascend memcache. ``MemcacheStore(meta_service_url="tcp://10.0.0.1:5000",
+    config_store_url="tcp://10.0.0.1:6000", device_id=0)``, or
+    ``MemcacheStore(MemcacheConfig.from_env())``.
+
+    ``client``: an already set-up and initialised memcache client (a
+    ``memcache_hybrid.DistributedObjectStore``, or a stand-in in tests) to use instead of
+    making one; it stays the caller's (``close()`` leaves it open). Memcache keeps one client
+    per process, so one MemcacheStore per process.
+
+    Concurrency: thread-safe. Metadata calls run one at a time on the store's call threads and
+    wait at most ``timeout_s``; ``batch_copy`` runs on the caller's thread, several at once.
+    ``close()`` waits for copies in flight, aborts pending writes, ends leases and closes the
+    client the store made.
+    """
+
+    inline_metadata = False
+
+    def __init__(
+        self, config: MemcacheConfig | None = None, *, client: Any = None, **options: Any
+    ) -> None:
+        if config is not None and options:
+            raise InvalidArgumentError("options", sorted(options), "give a config or options")
+        self.config = config or MemcacheConfig(**options)
+        self._calls = ThreadPoolExecutor(4, thread_name_prefix="kvflow-memcache")
+        self._owns_client = client is None
+        try:
+            self._client = client if client is not None else start_client(self.config)
+        except BaseException:
+            self._calls.shutdown(wait=False)
+            raise
+        self._to_pool, self._from_pool = copy_directions(self.config.local_memory)
+        self._lock = threading.Lock()  # spans, counters, copies in flight
+        self._cond = threading.Condition(self._lock)
+        self._meta_lock = threading.RLock()  # sessions, in order of the metadata calls
+        finish_api = callable(getattr(self._client, "batch_write_finish", None))
+        self._stats = MemcacheStats(write_finish_api=finish_api)
+        self._sessions: dict[int, _Session] = {}
+        self._handles = itertools.count(1)
+        self._writing: set[str] = set()  # keys allocated here and not finished
+        self._reading: dict[str, int] = {}  # key -> read sessions here sharing its lease
+        self._write_spans = HeldSpans()
+        self._read_spans = HeldSpans()
+        self._in_flight = 0
+        self._regions = LocalRegions()
+        self._registered: dict[tuple[int, int], int] = {}  # span -> registrations
+        self._closed = False
+        if not self._stats.write_finish_api:
+            log.warning(
+                "kvflow: this memcache has no batch_write_finish; other processes may see "
+                "objects before all their layers are in"
+            )
+
+    # -- the Store interface ------------------------------------------------------------------
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        with self._meta_lock:
+            for addr, nbytes in regions:
+                span = (int(addr), int(nbytes))
+                if span not in self._registered and self.config.register_buffers:
+                    rc = self._call("register_buffer", self._client.register_buffer, *span)
+                    if rc != 0:
+                        where = f"{nbytes} bytes at {int(addr):#x}"
+                        raise StoreError(f"memcache refused to register {where}", native_code(rc))
+                self._registered[span] = self._registered.get(span, 0) + 1
+            self._regions.register(regions)
+
+    def unregister(self, regions: Sequence[tuple[int, int]]) -> None:
+        with self._meta_lock:
+            for addr, nbytes in regions:
+                span = (int(addr), int(nbytes))
+                users = self._registered.get(span, 0)
+                if users > 1:
+                    self._registered[span] = users - 1
+                elif users == 1:
+                    del self._registered[span]
+                    if self.config.register_buffers:
+                        self._quiet("unregister_buffer", self._client.unregister_buffer, *span)
+            self._regions = LocalRegions()
+            self._regions.register(list(self._registered))
+
+    def lookup(self, keys: Sequence[str]) -> np.ndarray:
+        keys = list(keys)
+        self._check_keys(keys)
+        if not keys:
+            return np.zeros(0, dtype=bool)
+        found = np.array([r is not None for r in self._key_info(keys)], dtype=bool)
+        with self._meta_lock:  # pending here: readable only once finished (old memcache)
+            found &= np.array([k not in self._writing for k in keys], dtype=bool)
+        return found
+
+    def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession:
+        keys = tuple(keys)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
+            raise InvalidArgumentError("nbytes", nbytes, "must be an integer >= 1")
+        if nbytes >= 1 << 48:
+            raise InvalidArgumentError("nbytes", nbytes, "objects are limited to 256 TiB")
+        self._check_keys(keys)
+        status = np.full(len(keys), WriteStatus.EXISTS, dtype=np.int8)  # pending here, repeated
+        addrs = np.zeros(len(keys), dtype=np.int64)
+        with self._meta_lock:
+            self._check_open()
+            first: dict[str, int] = {}
+            for i, key in enumerate(keys):
+                if key not in self._writing and key not in first:
+                    first[key] = i
+            if first:
+                pos = np.fromiter(first.values(), dtype=np.int64, count=len(first))
+                status[pos], addrs[pos] = self._allocate(list(first), int(nbytes))
+            granted = np.flatnonzero(status == WriteStatus.GRANTED)
+            self._writing.update(keys[i] for i in granted)
+            starts = addrs[granted]
+            handle = self._open(_Session(keys, granted, True), starts, starts + nbytes, math.inf)
+        return WriteSession(handle, keys, addrs, status)
+
+    def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
+        ok = np.asarray(ok, dtype=bool)
+        if ok.shape != (len(session.keys),):
+            raise InvalidArgumentError("ok", ok.shape, f"expected {len(session.keys)} flags")
+        with self._meta_lock:
+            s = self._close_session(session.handle, writing=True)
+            if s is None or s.held.size == 0:
+                return
+            keys = [s.keys[i] for i in s.held]
+            try:
+                failed = self._finish(keys, ok[s.held])
+            finally:
+                self._writing.difference_update(keys)
+        if failed:
+            raise StoreError(f"finish_write: memcache did not commit {failed} objects")
+
+    def open_read(self, keys: Sequence[str]) -> ReadSession:
+        keys = tuple(keys)
+        self._check_keys(keys)
+        found = np.zeros(len(keys), dtype=bool)
+        addrs = np.zeros(len(keys), dtype=np.int64)
+        ends = np.zeros(len(keys), dtype=np.int64)
+        with self._meta_lock:
+            self._check_open()
+            unique = list(dict.fromkeys(k for k in keys if k not in self._writing))
+            started = time.monotonic()
+            where = self._lease(unique) if unique else {}
+            for i, key in enumerate(keys):
+                info = where.get(key)
+                if info is not None:
+                    found[i], addrs[i], ends[i] = True, info[0], info[0] + info[1]
+                    self._reading[key] = self._reading.get(key, 0) + 1
+            deadline = started + self.config.read_lease_ttl_ms / 1000 * (1 - _LEASE_MARGIN)
+            held = np.flatnonzero(found)
+            handle = self._open(_Session(keys, held, False), addrs[held], ends[held], deadline)
+        return ReadSession(handle, keys, addrs, found)
+
+    def close_read(self, session: ReadSession) -> None:
+        with self._meta_lock:
+            s = self._close_session(session.handle, writing=False)
+            if s is None:
+                return
+            ended = []
+            for key in (s.keys[i] for i in s.held):
+                self._reading[key] -= 1
+                if self._reading[key] == 0:
+                    del self._reading[key]
+                    ended.append(key)
+            self._end_leases(ended)
+
+    def batch_copy(
+        self,
+        pool_addrs: np.ndarray,
+        local_addrs: np.ndarray,
+        sizes: np.ndarray,
+        direction: Direction,
+    ) -> np.ndarray:
+        self._regions.check_call(pool_addrs, local_addrs, sizes, direction)
+        reading = direction == Direction.FROM_POOL
+        with self._cond:
+            if self._closed:
+                raise ClosedError("MemcacheStore")
+            if pool_addrs.size == 0:
+                return np.zeros(0, dtype=np.int64)
+            failed = ~self._held(pool_addrs, sizes, reading, strict=True)
+            self._stats.expired_leases += int(failed.sum())
+            self._in_flight += 1
+        try:
+            todo = np.flatnonzero(~failed)
+            if todo.size:
+                ok = self._copy(pool_addrs[todo], local_addrs[todo], sizes[todo], reading)
+                failed[todo[~ok]] = True
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+        if reading:  # the leases must still hold now that the bytes are in
+            with self._cond:
+                lost = ~failed & ~self._held(pool_addrs, sizes, True, strict=False)
+                self._stats.expired_leases += int(lost.sum())
+            failed |= lost
+        result: np.ndarray = np.flatnonzero(failed)
+        return result
+
+    # -- beyond the interface -----------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The memcache client underneath (keys written through it bypass ``key_prefix``)."""
+        return self._client
+
+    def stats(self) -> MemcacheStats:
+        """A copy of the counters."""
+        with self._lock:
+            return replace(
+                self._stats,
+                codes=dict(self._stats.codes),
+                open_sessions=len(self._sessions),
+                pending_writes=len(self._writing),
+                leases=sum(s.held.size for s in self._sessions.values() if not s.writing),
+            )
+
+    def close(self) -> None:
+        with self._meta_lock:
+            with self._cond:
+                if self._closed:
+                    return
+                self._closed = True
+                self._cond.wait_for(lambda: self._in_flight == 0, timeout=self.config.timeout_s)
+                self._sessions.clear()
+                self._write_spans, self._read_spans = HeldSpans(), HeldSpans()
+            writes, reads = sorted(self._writing), sorted(self._reading)
+            self._writing.clear()
+            self._reading.clear()
+            if writes:
+                self._finish(writes, np.zeros(len(writes), dtype=bool))
+            self._end_leases(reads)
+        if self._owns_client:
+            self._quiet("close", self._client.close)
+        self._calls.shutdown(wait=False)
+
+    def __repr__(self) -> str:
+        source = self.config.local_config_path or self.config.meta_service_url
+        return (
+            f"MemcacheStore(meta={source!r}, device={self.config.device_id}, "
+            f"sessions={len(self._sessions)}, in_flight={self._in_flight}, closed={self._closed})"
+        )
+
+    # -- metadata -----------------------------------------------------------------------------
+
+    def _allocate(self, keys: list[str], nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """Status and GVA per key: present keys EXISTS, the others allocated where memcache
+        gives the memory."""
+        exist = self._codes("batch_is_exist", keys)
+        if (exist < 0).all():
+            self._down("batch_is_exist", exist)
+        status = np.where(exist == 1, WriteStatus.EXISTS, WriteStatus.FAILED).astype(np.int8)
+        addrs = np.zeros(len(keys), dtype=np.int64)
+        absent = np.flatnonzero(exist == 0)
+        if absent.size:
+            cfg = self.config
+            names = [keys[i] for i in absent]
+            sizes = [nbytes] * len(names)
+            got = self._answer("batch_alloc", names, sizes, cfg.media_code, cfg.write_lease_ttl_ms)
+            values = [native_code(v) for v in got]
+            gvas = np.array([v if v > 0 else 0 for v in values], dtype=np.int64)
+            codes = np.array([min(v, 0) for v in values], dtype=np.int64)
+            ok = gvas > 0
+            status[absent[ok]], addrs[absent[ok]] = WriteStatus.GRANTED, gvas[ok]
+            status[absent[codes == OBJECT_EXISTS]] = WriteStatus.EXISTS
+            status[absent[np.isin(codes, NO_MEMORY)]] = WriteStatus.NO_SPACE
+            unknown = absent[~ok & (codes != OBJECT_EXISTS) & ~np.isin(codes, NO_MEMORY)]
+            if unknown.size:  # memcache answers 0 without a reason: was it another writer?
+                again = self._codes("batch_is_exist", [keys[i] for i in unknown], quiet=True)
+                status[unknown[again == 1]] = WriteStatus.EXISTS
+            self._count(codes[~ok & (codes != 0)])
+        with self._lock:
+            self._stats.exists += int((status == WriteStatus.EXISTS).sum())
+            self._stats.no_space += int((status == WriteStatus.NO_SPACE).sum())
+            self._stats.failed_keys += int((status == WriteStatus.FAILED).sum())
+        return status, addrs
+
+    def _finish(self, keys: list[str], commit: np.ndarray) -> int:
+        """Commit or abort allocated keys; returns how many commits memcache refused."""
+        if not self._stats.write_finish_api:
+            aborted = [k for k, c in zip(keys, commit.tolist(), strict=True) if not c]
+            if aborted:
+                self._meta("remove_batch", aborted, quiet=True)
+            return 0
+        results = [WRITE_OK if c else WRITE_FAIL for c in commit.tolist()]
+        codes = self._codes("batch_write_finish", keys, results, quiet=not commit.any())
+        refused = codes != 0
+        self._count(codes[refused])
+        if (refused & ~commit).any():
+            shown = codes[refused & ~commit][:4].tolist()
+            log.warning("kvflow: memcache refused to abort objects (codes %s)", shown)
+        return int((refused & commit).sum())
+
+    def _lease(self, keys: list[str]) -> dict[str, tuple[int, int]]:
+        """Lease ``keys`` and resolve the leased ones: key -> (GVA, size) for every readable
+        object. The lease comes first: an object resolved without one could move or go."""
+        codes = self._codes("batch_add_lease", keys, self.config.read_lease_ttl_ms)
+        if np.isin(codes, DOWN).all():
+            self._down("batch_add_lease", codes)
+        leased = [k for k, c in zip(keys, codes.tolist(), strict=True) if c == 0]
+        refused = codes[(codes != 0) & ~np.isin(codes, MISSING)]
+        with self._lock:
+            self._stats.lease_failures += int(refused.size)
+        self._count(refused)
+        try:
+            infos = self._key_info(leased) if leased else []
+        except BaseException:
+            self._end_leases([k for k in leased if k not in self._reading])
+            raise
+        where = {k: i for k, i in zip(leased, infos, strict=True) if i is not None}
+        self._end_leases([k for k in leased if k not in where and k not in self._reading])
+        return where
+
+    def _key_info(self, keys: list[str]) -> list[tuple[int, int] | None]:
+        """Per key, the (GVA, size) of a readable object, or None."""
+        infos = self._answer("batch_get_key_info", keys, READABLE)
+        out: list[tuple[int, int] | None] = []
+        for info in infos:
+            try:
+                size, gvas = int(info.size()), [int(g) for g in info.gva_list()]
+            except (AttributeError, TypeError, ValueError) as exc:
+                raise StoreError(f"memcache batch_get_key_info answered {info!r}") from exc
+            readable = size > 0 and bool(gvas) and 0 < gvas[0] < ADDRESS_LIMIT
+            out.append((gvas[0], size) if readable else None)
+        return out
+
+    def _end_leases(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        rc = self._meta("batch_remove_lease", keys, quiet=True)
+        if rc != 0:  # memcache ends the lease itself when its time is up
+            with self._lock:
+                self._stats.lease_failures += len(keys)
+            log.warning("kvflow: memcache batch_remove_lease of %d keys: %r", len(keys), rc)
+
+    def _answer(self, name: str, keys: list[str], *extra: Any) -> list[Any]:
+        """A per-key answer: one entry per key, or StoreUnavailableError."""
+        got = self._meta(name, keys, *extra)
+        answer = list(got) if isinstance(got, (list, tuple)) else []
+        if len(answer) != len(keys):
+            with self._lock:
+                self._stats.unavailable += 1
+            raise StoreUnavailableError(
+                f"memcache {name} answered {len(answer)} results for {len(keys)} keys"
+            )
+        return answer
+
+    def _codes(self, name: str, keys: list[str], *extra: Any, quiet: bool = False) -> np.ndarray:
+        """Per-key result codes; ``quiet``: a failed call answers -1 for every key."""
+        try:
+            got = self._answer(name, keys, *extra)
+            return np.array([native_code(c) for c in got], dtype=np.int64)
+        except (StoreError, TypeError, ValueError) as exc:
+            if not quiet:
+                raise
+            log.warning("kvflow: memcache %s failed: %s", name, exc)
+            return np.full(len(keys), -1, dtype=np.int64)
+
+    def _meta(self, name: str, keys: list[str], *extra: Any, quiet: bool = False) -> Any:
+        """One call that talks to the meta service, with ``key_prefix`` applied."""
+        prefix = self.config.key_prefix
+        named = [prefix + k for k in keys] if prefix else keys
+        with self._lock:
+            self._stats.meta_calls += 1
+        try:
+            return self._call(name, getattr(self._client, name), named, *extra)
+        except StoreError as exc:
+            if not quiet:
+                raise
+            log.warning("kvflow: memcache %s failed: %s", name, exc)
+            return None
+
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the store's call threads, waiting at most ``timeout_s``."""
+        future = self._calls.submit(fn, *args)
+        try:
+            return future.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self._stats.unavailable += 1
+            raise StoreUnavailableError(
+                f"memcache {name} did not return within {self.config.timeout_s:g} s"
+            ) from None
+        except (RuntimeError, ValueError, TypeError) as exc:  # the binding's own errors
+            raise StoreError(f"memcache {name} failed: {exc}") from exc
+
+    def _quiet(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            rc = self._call(name, fn, *args)
+        except StoreError as exc:
+            rc = exc
+        if rc != 0:
+            log.warning("kvflow: memcache %s: %r", name, rc)
+
+    def _down(self, name: str, codes: np.ndarray) -> None:
+        self._count(codes)
+        with self._lock:
+            self._stats.unavailable += 1
+        raise StoreUnavailableError(f"memcache {name} failed for every key", int(codes[0]))
+
+    def _count(self, codes: np.ndarray) -> None:
+        if codes.size == 0:
+            return
+        with self._lock:
+            for code in codes.tolist():
+                self._stats.codes[code] = self._stats.codes.get(code, 0) + 1
+
+    # -- sessions and copies ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("MemcacheStore")
+
+    def _check_keys(self, keys: Sequence[str]) -> None:
+        self._check_open()
+        room = MAX_KEY_BYTES - len(self.config.key_prefix.encode())
+        for key in keys:
+            if not isinstance(key, str) or len(key.encode()) > room:
+                why = f"memcache keys are strings of at most {MAX_KEY_BYTES} bytes with key_prefix"
+                raise InvalidArgumentError("keys", key, why)
+
+    def _open(self, s: _Session, starts: np.ndarray, ends: np.ndarray, deadline: float) -> int:
+        with self._lock:
+            handle = next(self._handles)
+            self._sessions[handle] = s
+            spans = self._write_spans if s.writing else self._read_spans
+            spans.add(handle, starts, ends, deadline, None)
+        return handle
+
+    def _close_session(self, handle: int, *, writing: bool) -> _Session | None:
+        with self._lock:
+            s = self._sessions.get(handle)
+            if s is None or s.writing != writing:
+                if self._closed:
+                    return None
+                raise InvalidArgumentError("session", handle, "unknown or already finished session")
+            del self._sessions[handle]
+            (self._write_spans if writing else self._read_spans).remove(handle)
+        return s
+
+    def _held(
+        self, pool: np.ndarray, sizes: np.ndarray, reading: bool, *, strict: bool
+    ) -> np.ndarray:
+        """Per range: inside an object this store writes (or, reading, holds under a live lease).
+        ``strict``: a range inside no object this store holds at all is refused."""
+        live: np.ndarray = self._write_spans.cover(pool, sizes, None)[0]
+        inside = live
+        if reading:
+            inside = live | self._read_spans.cover(pool, sizes, None)[0]
+            live = live | self._read_spans.cover(pool, sizes, time.monotonic())[0]
+        if strict and not inside.all():
+            bad = hex(int(pool[~inside][0]))
+            what = "holds under a read lease" if reading else "is writing"
+            raise InvalidArgumentError("pool_addrs", bad, f"not inside an object this store {what}")
+        return live
+
+    def _copy(
+        self, pool: np.ndarray, local: np.ndarray, sizes: np.ndarray, reading: bool
+    ) -> np.ndarray:
+        """The ranges in memcache batch_copy calls of bounded size; per range, whether it moved."""
+        direct = self._from_pool if reading else self._to_pool
+        ok = np.zeros(pool.size, dtype=bool)
+        cfg = self.config
+        bad: list[int | str] = []
+        runs = copy_batches(sizes, cfg.max_copy_batch, int(cfg.max_copy_bytes))
+        for lo, hi in runs:
+            try:
+                rc: Any = self._client.batch_copy(
+                    pool[lo:hi].tolist(), local[lo:hi].tolist(), sizes[lo:hi].tolist(), direct
+                )
+            except (RuntimeError, ValueError, TypeError) as exc:
+                rc = f"{type(exc).__name__}: {exc}"
+            ok[lo:hi] = is_zero(rc)
+            if not is_zero(rc):
+                bad.append(rc)
+        with self._lock:
+            self._stats.copy_calls += len(runs)
+            self._stats.copy_failures += len(bad)
+            for rc in bad:
+                if isinstance(rc, int):
+                    self._stats.codes[rc] = self._stats.codes.get(rc, 0) + 1
+        if bad:
+            log.warning("kvflow: %d memcache batch_copy calls failed (%s)", len(bad), bad[:4])
+        return ok
