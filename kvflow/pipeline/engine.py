@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvflow.config import EngineConfig
-from kvflow.devices import device_ops
-from kvflow.errors import ClosedError, KVFlowError, TransferTimeoutError
+from kvflow.devices import DeviceOps, device_kind, device_ops
+from kvflow.errors import ClosedError, KVFlowError, LayoutError, TransferTimeoutError
 from kvflow.keys import KeySpace, chunk_hashes, token_array
 from kvflow.layout import KVLayout
 from kvflow.pipeline.batch import BatchPlan, plan_batch
@@ -59,10 +59,13 @@ class TransferEngine:
         config: EngineConfig | None = None,
         *,
         keyspace: KeySpace | None = None,
+        device: DeviceOps | None = None,
     ) -> None:
         """``keyspace``: the keys' namespace, for integrations whose keys are also made in
         another process that has no layout (an inference server's scheduler); by default it
-        comes from the model name, the layout's fingerprint, the chunk size and the rank."""
+        comes from the model name, the layout's fingerprint, the chunk size and the rank.
+        ``device``: how transfers are ordered with the caller's compute (by default
+        ``device_ops(layout.device)``: no-ops on CPU, streams and events on accelerators)."""
         self.layout = layout
         self.store = store
         self.config = config or EngineConfig()
@@ -73,7 +76,14 @@ class TransferEngine:
             num_layers=layout.num_layers,
             rank=self.config.rank,
         )
-        self._device = device_ops(layout.device)
+        self._device = device or device_ops(layout.device)
+        if device_kind(layout.device) not in store.device_memory:
+            raise LayoutError(
+                "device",
+                layout.device,
+                f"{type(store).__name__} copies {'/'.join(sorted(store.device_memory))} memory "
+                "only (Store.device_memory)",
+            )
         self._stats = EngineStats(num_layers=layout.num_layers)
         self._handles: set[BatchTransfer] = set()
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvflow.config import EngineConfig
+from kvflow.devices import DeviceOps
 from kvflow.errors import ClosedError, KVFlowError, TransferTimeoutError
 from kvflow.keys import KeySpace
 from kvflow.layout import KVLayout
@@ -46,8 +47,9 @@ class SyncTransferEngine:
         config: EngineConfig | None = None,
         *,
         keyspace: KeySpace | None = None,
+        device: DeviceOps | None = None,
     ) -> None:
-        self.engine = TransferEngine(layout, store, config, keyspace=keyspace)  # may refuse
+        self.engine = TransferEngine(layout, store, config, keyspace=keyspace, device=device)
         config = self.engine.config
         self._timeout = config.op_timeout_s
         self._closed = False
@@ -254,7 +256,9 @@ class SyncLoadHandle:
         self.close()
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """Block until ``layer`` is in device memory; moves the prefetch window forward."""
+        """Block until ``layer``'s copy is done; moves the prefetch window forward. On an
+        accelerator the caller's current stream is also made to wait for the copy's event
+        (``DeviceOps.order_after``), so its later kernels read the loaded layer."""
         limit = self._owner._timeout if timeout is None else timeout
         h = self._opened(limit)
         layer = h._engine.layout.check_layer(layer)
@@ -269,6 +273,7 @@ class SyncLoadHandle:
         self._passed = max(self._passed, layer)
         if h._closed:
             raise ClosedError("LoadHandle")
+        h._engine._device.order_after(h.loaded_tokens[layer])  # the caller's stream, after it
 
 
 class SyncSaveHandle(_SyncHandle):

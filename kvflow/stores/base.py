@@ -108,9 +108,15 @@ class Store(ABC):
     ``inline_metadata`` is True for stores whose metadata calls are in-process and take
     microseconds (never a socket or a remote call): the engine then calls them on its event loop
     instead of hopping to its metadata thread, which costs more than the call itself.
+
+    ``device_memory`` names the kinds of memory (torch device types) that ``batch_copy``'s local
+    addresses may point into: host memory (``"cpu"``) for stores that copy with the CPU; a
+    store whose own copy engine reaches accelerator memory (memcache's ``L2G``/``G2L`` on an
+    NPU) names that device. The engine refuses KV caches on a device its store cannot copy.
     """
 
     inline_metadata: bool = False
+    device_memory: frozenset[str] = frozenset({"cpu"})  # see the class docstring
 
     @abstractmethod
     def register(self, regions: Sequence[tuple[int, int]]) -> None:

@@ -43,6 +43,7 @@ class InstrumentedStore(Store):
     def __init__(self, inner: Store, *, record_copies: bool = False) -> None:
         self.inner = inner
         self.inline_metadata = inner.inline_metadata
+        self.device_memory = inner.device_memory
         self.record_copies = record_copies
         self.calls: dict[str, int] = {}
         self.keys: dict[str, int] = {}

@@ -134,6 +134,7 @@ class MemcacheStore(Store):
             self._calls.shutdown(wait=False)
             raise
         self._to_pool, self._from_pool = copy_directions(self.config.local_memory)
+        self.device_memory = frozenset({"cpu" if self.config.local_memory == "host" else "npu"})
         self._lock = threading.Lock()  # spans, counters, copies in flight
         self._cond = threading.Condition(self._lock)
         self._meta_lock = threading.RLock()  # sessions, in order of the metadata calls

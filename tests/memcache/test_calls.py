@@ -124,6 +124,7 @@ def test_copy_types_follow_where_the_kv_caches_live(kind: str) -> None:
     standin = MemcacheStandIn(4 << 20, local_kind=kind)
     caches, layout = layout_of(2)
     store = memcache_standin_store(0, client=standin, local_memory=kind)
+    store.device_memory = frozenset({"cpu"})  # the stand-in's "device" memory is host memory
     with kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
         ids = tokens(2)
         assert e.save(ids, np.arange(4)).ok
@@ -135,10 +136,15 @@ def test_copy_types_follow_where_the_kv_caches_live(kind: str) -> None:
 
 
 def test_device_copy_types_on_host_memory_fail_every_chunk() -> None:
-    """The copy type matters: memcache refuses L2G for host memory, and nothing is stored."""
+    """The copy type matters: a store set up for NPU memory refuses host KV caches up front
+    (the engine checks ``Store.device_memory``), and if host memory is copied with L2G anyway
+    memcache refuses it and nothing is stored."""
     standin = MemcacheStandIn(4 << 20, local_kind="host")
     _, layout = layout_of(2)
     store = memcache_standin_store(0, client=standin, local_memory="device")
+    with pytest.raises(kvflow.LayoutError, match="npu"):
+        kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK))
+    store.device_memory = frozenset({"cpu"})  # forced: the copies themselves must fail
     with kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
         ids = tokens(2)
         result = e.save(ids, np.arange(4))

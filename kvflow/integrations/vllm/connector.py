@@ -561,6 +561,7 @@ class _SharedLocal(Store):
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.inline_metadata = inner.inline_metadata
+        self.device_memory = inner.device_memory
 
     def register(self, regions: Any) -> None:
         self.inner.register(regions)
