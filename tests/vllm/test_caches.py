@@ -281,3 +281,41 @@ def test_the_digest_is_the_same_in_another_process() -> None:
     )
 
     assert out.stdout.strip() == fingerprint()
+
+
+def ascend_pair(dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """vllm-ascend's per-layer (key_cache, value_cache), each [blocks, block_size, heads, dim]
+    (NPU tensors there; the layout code is device-independent)."""
+    shape = (NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+
+
+def test_key_and_value_tensors_of_a_layer_are_its_two_parts() -> None:
+    kv = {name: ascend_pair() for name in NAMES}
+
+    names, layout = cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+    assert names == NAMES and layout.num_layers == len(NAMES) and layout.kind == "blocks"
+    for i, name in enumerate(NAMES):
+        k, v = layout.layers[i]
+        for part, t in ((k, kv[name][0]), (v, kv[name][1])):
+            assert part.block_bytes == nbytes(t[0])
+            assert all(part.base + b * part.block_stride == t[b].data_ptr() for b in range(6))
+    assert layout.layer_block_bytes(0) == 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ((), ""),
+        ((torch.zeros(NUM_BLOCKS + 1, 4), torch.zeros(NUM_BLOCKS, 4)), "[0].shape"),
+        ((torch.zeros(NUM_BLOCKS, 4), "v"), "[1].shape"),
+    ],
+)
+def test_a_bad_tuple_names_the_layer_and_tensor(value: Any, where: str) -> None:
+    kv: dict[str, Any] = {name: ascend_pair() for name in NAMES}
+    kv[NAMES[1]] = value
+    with pytest.raises(LayoutError) as err:
+        cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    assert err.value.argument.startswith(f"kv_caches[{NAMES[1]!r}]")
+    assert err.value.argument.endswith(where.removeprefix(f"kv_caches[{NAMES[1]!r}]"))

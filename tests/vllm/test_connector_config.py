@@ -75,6 +75,7 @@ def test_every_key_is_accepted() -> None:
         "store": "local",
         "shared": {"capacity": "1GiB"},
         "mooncake": {},
+        "memcache": {},
         "local_capacity": "64MiB",
         "chunk_blocks": 4,
         "use_layerwise": False,
@@ -121,6 +122,7 @@ def test_unknown_key_lists_the_known_ones() -> None:
         ("shared", "socket=/tmp/x"),
         ("shared", ["capacity"]),
         ("mooncake", 5),
+        ("memcache", "tcp://x"),
         ("local_capacity", "lots"),
         ("local_capacity", -1),
         ("local_capacity", 1.5),
@@ -325,3 +327,39 @@ def test_mooncake_without_keys_or_environment_is_refused_when_used(
         config.mooncake_config(pure_client=True)
 
     assert info.value.argument == "master_server_address"
+
+
+MEMCACHE = {"meta_service_url": "tcp://10.0.0.2:5000", "config_store_url": "tcp://10.0.0.2:6000"}
+
+
+@pytest.mark.parametrize(
+    ("memcache", "inner"),
+    [
+        ({**MEMCACHE, "protocol": "udp"}, "memcache.protocol"),
+        ({**MEMCACHE, "max_copy_batch": 0}, "memcache.max_copy_batch"),
+        ({**MEMCACHE, "bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_memcache_settings_are_refused_at_once(memcache: dict[str, Any], inner: str) -> None:
+    err = config_error({"store": "memcache", "memcache": memcache})
+
+    assert inner in str(err)
+
+
+def test_memcache_follows_the_kv_caches_device_unless_told() -> None:
+    config = ConnectorConfig.from_extra_config({"store": "memcache", "memcache": MEMCACHE})
+    npu = config.memcache_config("npu:3")
+    assert (npu.device_id, npu.local_memory) == (3, "device")
+    assert npu.meta_service_url == MEMCACHE["meta_service_url"]
+    host = config.memcache_config("cpu")
+    assert (host.device_id, host.local_memory) == (0, "host")
+    told = ConnectorConfig.from_extra_config(
+        {"store": "memcache", "memcache": {**MEMCACHE, "device_id": 1, "local_memory": "host"}}
+    )
+    assert (
+        told.memcache_config("npu:3").device_id,
+        told.memcache_config("npu:3").local_memory,
+    ) == (
+        1,
+        "host",
+    )

@@ -6,7 +6,9 @@ tensor}``); the block dimension is found by ``num_blocks``:
 * ``[num_blocks, ...]``: the CPU backend's ``[num_blocks, num_kv_heads, block_size,
   2 * head_size]``, FlashAttention's ``[num_blocks, 2, block_size, heads, head_size]``, and MLA's
   ``[num_blocks, block_size, latent_dim]``: one part per layer;
-* ``[2, num_blocks, ...]`` (K and V apart, other CUDA backends): two parts per layer.
+* ``[2, num_blocks, ...]`` (K and V apart, other CUDA backends): two parts per layer;
+* a tuple of ``[num_blocks, ...]`` tensors (vllm-ascend's ``(key_cache, value_cache)`` on NPUs,
+  each ``[num_blocks, block_size, num_kv_heads, head_size]``): one part per tensor.
 
 The scheduler has no tensors, so the keys' namespace comes from what both processes know: the
 cache spec (block size, heads, head size, dtype, bytes per block), the layer count and the
@@ -29,13 +31,19 @@ __all__ = ["cache_layout", "spec_fingerprint"]
 
 
 def cache_layout(
-    kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, block_size: int, mla: bool = False
+    kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]],
+    *,
+    num_blocks: int,
+    block_size: int,
+    mla: bool = False,
 ) -> tuple[list[str], KVLayout]:
     """The layer names in order and the layout of their tensors."""
     names = list(kv_caches)
     if not names:
         raise LayoutError("kv_caches", {}, "vLLM handed over no KV cache tensors")
-    tensors = [kv_caches[n] for n in names]
+    if any(isinstance(kv_caches[n], (tuple, list)) for n in names):
+        return names, _tuple_layout(kv_caches, names, num_blocks, block_size)
+    tensors: list[torch.Tensor] = [kv_caches[n] for n in names]
     first = tensors[0]
     if mla or (first.dim() >= 2 and first.shape[0] == 2 and first.shape[1] == num_blocks != 2):
         build = KVLayout.from_mla_tensors if mla else KVLayout.from_kv_split_tensors
@@ -55,6 +63,25 @@ def cache_layout(
                 f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]",
             )
     return names, KVLayout.from_tensors(tensors, block_size=block_size)
+
+
+def _tuple_layout(
+    kv_caches: Mapping[str, Any], names: list[str], num_blocks: int, block_size: int
+) -> KVLayout:
+    """Every layer a tuple of ``[num_blocks, ...]`` tensors: each tensor one part."""
+    per_layer = []
+    for name in names:
+        parts = kv_caches[name]
+        if not isinstance(parts, (tuple, list)) or not parts:
+            raise LayoutError(f"kv_caches[{name!r}]", type(parts).__name__, "expected a tuple")
+        for j, t in enumerate(parts):
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[0] != num_blocks:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise LayoutError(
+                    f"kv_caches[{name!r}][{j}].shape", shape, f"expected [{num_blocks}, ...]"
+                )
+        per_layer.append(tuple(parts))
+    return KVLayout.from_tensors(per_layer, block_size=block_size)
 
 
 def spec_fingerprint(spec: Any, *, num_layers: int, tp_size: int) -> str:

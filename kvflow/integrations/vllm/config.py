@@ -6,7 +6,7 @@ No vLLM import here: the config is validated (and tested) without vLLM.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvflow.config import (
@@ -19,13 +19,15 @@ from kvflow.config import (
     from_dict,
     parse_size,
 )
+from kvflow.devices import device_kind
 from kvflow.errors import ConfigError
+from kvflow.stores.memcache_config import MemcacheConfig
 from kvflow.stores.mooncake_config import MooncakeConfig
 from kvflow.stores.shared_config import SharedStoreConfig
 
 __all__ = ["STORES", "ConnectorConfig"]
 
-STORES = ("shared", "mooncake", "local")
+STORES = ("shared", "mooncake", "memcache", "local")
 DEFAULT_CHUNK_TOKENS = 256
 
 
@@ -35,12 +37,16 @@ class ConnectorConfig:
 
     Fields:
         store: ``shared`` (the node-local pool, ``kvflow serve``; started on first use unless
-            ``shared.auto_start`` is false), ``mooncake`` (Mooncake Store), or ``local`` (an
+            ``shared.auto_start`` is false), ``mooncake`` (Mooncake Store), ``memcache``
+            (Ascend memcache, see docs/ascend.md), or ``local`` (an
             embedded pool: only when vLLM runs scheduler and worker in one process,
             ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
         shared: SharedStoreConfig keys (``socket``, ``capacity``, ``timeout_s``...).
         mooncake: MooncakeConfig keys; without them, ``MooncakeConfig.from_env()``. The
             scheduler connects as a pure client (no segment) whatever this says.
+        memcache: MemcacheConfig keys; without them, ``MemcacheConfig.from_env()``. Unless
+            given, a worker's ``device_id`` is its KV caches' device index and its
+            ``local_memory`` is ``device`` for NPU caches, ``host`` otherwise.
         local_capacity: the embedded pool's size.
         chunk_blocks: vLLM blocks per pool object (default: 256 tokens' worth, at least 1).
             Hits are whole chunks.
@@ -60,6 +66,7 @@ class ConnectorConfig:
     store: str = "shared"
     shared: Mapping[str, Any] = field(default_factory=dict)
     mooncake: Mapping[str, Any] = field(default_factory=dict)
+    memcache: Mapping[str, Any] = field(default_factory=dict)
     local_capacity: int | str = "4GiB"
     chunk_blocks: int = 0
     use_layerwise: bool = True
@@ -82,7 +89,7 @@ class ConnectorConfig:
         for name in ("use_layerwise", "save", "load", "debug_corrupt_loads", "debug_fail_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "must be true or false")
-        for name in ("shared", "mooncake"):
+        for name in ("shared", "mooncake", "memcache"):
             if not isinstance(getattr(self, name), Mapping):
                 raise ConfigError(name, getattr(self, name), "must be an object of settings")
         chunk = self.chunk_blocks
@@ -103,6 +110,8 @@ class ConnectorConfig:
             _nested("shared", self.shared_config)
         elif self.store == "mooncake" and self.mooncake:
             _nested("mooncake", lambda: self.mooncake_config(pure_client=False))
+        elif self.store == "memcache" and self.memcache:
+            _nested("memcache", self.memcache_config)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -140,6 +149,22 @@ class ConnectorConfig:
             values = {f.name: getattr(config, f.name) for f in fields(MooncakeConfig)}
             config = MooncakeConfig(**{**values, "global_segment_size": 0})
         return config
+
+    def memcache_config(self, device: Any = "cpu") -> MemcacheConfig:
+        """memcache settings (from the ``memcache`` keys, else the environment) for a client
+        whose KV caches are on ``device``: its index is the ``device_id`` and an NPU's memory
+        is copied with the device copy types, unless the keys say otherwise."""
+        config = MemcacheConfig.from_dict(self.memcache) if self.memcache else None
+        config = config or MemcacheConfig.from_env()
+        given = self.memcache or {}
+        changes: dict[str, Any] = {}
+        _, _, number = str(device).partition(":")
+        index = int(number) if number.isdigit() else None
+        if "device_id" not in given and index is not None:
+            changes["device_id"] = int(index)
+        if "local_memory" not in given:
+            changes["local_memory"] = "device" if device_kind(device) == "npu" else "host"
+        return replace(config, **changes) if changes else config
 
 
 def _nested(section: str, build: Callable[[], object]) -> None:

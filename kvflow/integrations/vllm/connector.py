@@ -195,15 +195,16 @@ class KVFlowConnector(KVConnectorBase_V1):
             rank=rank,
         )
 
-    def _open_store(self, *, scheduler: bool) -> Store | None:
-        """The configured pool, or None (logged) when it cannot be reached: then every lookup
-        misses and nothing is saved, and vLLM runs as without the connector."""
+    def _open_store(self, *, scheduler: bool, device: str = "cpu") -> Store | None:
+        """The configured pool (for KV caches on ``device``), or None (logged) when it cannot
+        be reached: then every lookup misses and nothing is saved, and vLLM runs as without
+        the connector."""
         kind = self.config.store
         # Mooncake's client moves bytes on threads of its own: a worker's run on the copy CPUs
         # (the shared pool's server, which a store may start, is not pinned to one worker's)
         cpus = self.config.copy_cpus if kind == "mooncake" and not scheduler else ()
         try:
-            store = call_pinned(cpus, _make_store, self.config, scheduler)
+            store = call_pinned(cpus, _make_store, self.config, scheduler, device)
         except KVFlowError as exc:
             self._store_error = f"{type(exc).__name__}: {exc}"
             log.error("kvflow: the %s pool is unavailable (%s); running without it", kind, exc)
@@ -320,7 +321,7 @@ class KVFlowConnector(KVConnectorBase_V1):
                 f"vLLM's cache spec says {page}: kvflow does not know this layout",
             )
         self._layer_index = {name: i for i, name in enumerate(names)}
-        self._store = self._open_store(scheduler=False)
+        self._store = self._open_store(scheduler=False, device=layout.device)
         if self._store is None:
             return
         engine_config = self.config.engine_config(
@@ -526,7 +527,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         return KVFlowConnectorStats(data=dict(data)) if data is not None else KVFlowConnectorStats()
 
 
-def _make_store(config: ConnectorConfig, scheduler: bool) -> Store:
+def _make_store(config: ConnectorConfig, scheduler: bool, device: str = "cpu") -> Store:
     """The pool the config names. The scheduler only looks up: a Mooncake scheduler is a pure
     client. ``local`` gives one embedded pool per process (scheduler and worker must share it)."""
     if config.store == "shared":
@@ -537,6 +538,10 @@ def _make_store(config: ConnectorConfig, scheduler: bool) -> Store:
         from kvflow.stores.mooncake import MooncakeStore
 
         return MooncakeStore(config.mooncake_config(pure_client=scheduler))
+    if config.store == "memcache":
+        from kvflow.stores.memcache import MemcacheStore
+
+        return MemcacheStore(config.memcache_config(device))
     return _local_store(int(config.local_capacity))
 
 
