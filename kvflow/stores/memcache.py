@@ -36,8 +36,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,6 +48,7 @@ from kvflow.errors import (
     StoreUnavailableError,
 )
 from kvflow.stores.base import Direction, ReadSession, Store, WriteSession, WriteStatus
+from kvflow.stores.calls import BoundedCalls
 from kvflow.stores.memcache_client import (
     ADDRESS_LIMIT,
     DOWN,
@@ -126,12 +125,12 @@ class MemcacheStore(Store):
         if config is not None and options:
             raise InvalidArgumentError("options", sorted(options), "give a config or options")
         self.config = config or MemcacheConfig(**options)
-        self._calls = ThreadPoolExecutor(4, thread_name_prefix="kvflow-memcache")
+        self._calls = BoundedCalls("memcache", self.config.timeout_s, self._timed_out)
         self._owns_client = client is None
         try:
             self._client = client if client is not None else start_client(self.config)
         except BaseException:
-            self._calls.shutdown(wait=False)
+            self._calls.shutdown()
             raise
         self._to_pool, self._from_pool = copy_directions(self.config.local_memory)
         self.device_memory = frozenset({"cpu" if self.config.local_memory == "host" else "npu"})
@@ -337,7 +336,7 @@ class MemcacheStore(Store):
             self._end_leases(reads)
         if self._owns_client:
             self._quiet("close", self._client.close)
-        self._calls.shutdown(wait=False)
+        self._calls.shutdown()
 
     def __repr__(self) -> str:
         source = self.config.local_config_path or self.config.meta_service_url
@@ -477,17 +476,11 @@ class MemcacheStore(Store):
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the store's call threads, waiting at most ``timeout_s``."""
-        future = self._calls.submit(fn, *args)
-        try:
-            return future.result(timeout=self.config.timeout_s)
-        except FutureTimeout:
-            with self._lock:
-                self._stats.unavailable += 1
-            raise StoreUnavailableError(
-                f"memcache {name} did not return within {self.config.timeout_s:g} s"
-            ) from None
-        except (RuntimeError, ValueError, TypeError) as exc:  # the binding's own errors
-            raise StoreError(f"memcache {name} failed: {exc}") from exc
+        return self._calls.call(name, fn, *args)
+
+    def _timed_out(self) -> None:
+        with self._lock:
+            self._stats.unavailable += 1
 
     def _quiet(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
         try:

@@ -48,8 +48,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,6 +61,7 @@ from kvflow.errors import (
     StoreUnavailableError,
 )
 from kvflow.stores.base import Direction, ReadSession, Store, WriteSession, WriteStatus
+from kvflow.stores.calls import BoundedCalls
 from kvflow.stores.copyloop import copy_ranges
 from kvflow.stores.mooncake_config import MooncakeConfig
 from kvflow.stores.regions import LocalRegions
@@ -143,7 +142,7 @@ class MooncakeStore(Store):
         self._client = module.MooncakeDistributedStore()
         self._replicate = module.ReplicateConfig()
         self._replicate.replica_num = self.config.replica_num
-        self._calls = ThreadPoolExecutor(4, thread_name_prefix="kvflow-mooncake")
+        self._calls = BoundedCalls("Mooncake", self.config.timeout_s, self._timed_out)
         self._lock = threading.Lock()  # slots and counters (taken by copies)
         self._meta_lock = threading.RLock()  # session starts and ends, in order
         self._reading: dict[str, int] = {}  # key -> open read sessions sharing its get session
@@ -174,10 +173,10 @@ class MooncakeStore(Store):
                 cfg.master_server_address,
             )
         except BaseException:
-            self._calls.shutdown(wait=False)
+            self._calls.shutdown()
             raise
         if rc != OK:
-            self._calls.shutdown(wait=False)
+            self._calls.shutdown()
             raise StoreUnavailableError(
                 f"Mooncake setup with master {cfg.master_server_address} failed", rc
             )
@@ -485,7 +484,7 @@ class MooncakeStore(Store):
             self._call("close", self._client.close)
         except StoreError as exc:
             log.warning("kvflow: closing the Mooncake client: %s", exc)
-        self._calls.shutdown(wait=False)
+        self._calls.shutdown()
 
     def __repr__(self) -> str:
         return (
@@ -503,17 +502,11 @@ class MooncakeStore(Store):
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the store's call threads, waiting at most ``timeout_s``."""
-        future = self._calls.submit(fn, *args)
-        try:
-            return future.result(timeout=self.config.timeout_s)
-        except FutureTimeout:
-            with self._lock:
-                self._stats.unavailable += 1
-            raise StoreUnavailableError(
-                f"Mooncake {name} did not return within {self.config.timeout_s:g} s"
-            ) from None
-        except (RuntimeError, ValueError, TypeError) as exc:  # the binding's own errors
-            raise StoreError(f"Mooncake {name} failed: {exc}") from exc
+        return self._calls.call(name, fn, *args)
+
+    def _timed_out(self) -> None:
+        with self._lock:
+            self._stats.unavailable += 1
 
     def _master(self, name: str, keys: list[str], *extra: Any, quiet: bool = False) -> Any:
         """One metadata call (a master round trip). ``quiet``: a failure is logged, not raised
