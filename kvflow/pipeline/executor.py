@@ -8,6 +8,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvflow.errors import TransferTimeoutError
+
 __all__ = ["PinnedExecutor", "call_pinned", "pin_current_thread"]
 
 T = TypeVar("T")
@@ -24,26 +26,48 @@ def pin_current_thread(cpus: tuple[int, ...]) -> bool:
     return True
 
 
-def call_pinned(cpus: tuple[int, ...], fn: Callable[..., T], *args: Any) -> T:
+def call_pinned(
+    cpus: tuple[int, ...],
+    fn: Callable[..., T],
+    *args: Any,
+    timeout_s: float = 300.0,
+    on_late: Callable[[T], object] | None = None,
+) -> T:
     """``fn(*args)`` on a new thread pinned to ``cpus``, waited for; its result or exception.
 
     Threads that ``fn`` starts inherit the pinning: a store whose client runs transfer threads
     of its own (Mooncake) is created this way so that they stay off the cores that compute.
+    After ``timeout_s`` the caller gets TransferTimeoutError; the thread (a daemon) finishes on
+    its own, and what it returns then goes to ``on_late`` (e.g. to close a store nobody took).
+    Without ``cpus`` the call runs in the caller's thread, unbounded: ``fn`` bounds itself.
     """
     if not cpus:
         return fn(*args)
     box: dict[str, Any] = {}
+    lock = threading.Lock()
 
     def run() -> None:
         pin_current_thread(cpus)
         try:
-            box["value"] = fn(*args)
+            value = fn(*args)
         except BaseException as exc:  # re-raised in the caller
-            box["error"] = exc
+            with lock:
+                box["error"] = exc
+            return
+        with lock:
+            late = box.get("abandoned", False)
+            box["value"] = value
+        if late and on_late is not None:
+            on_late(value)
 
-    thread = threading.Thread(target=run, name="kvflow-pinned-call")
+    thread = threading.Thread(target=run, name="kvflow-pinned-call", daemon=True)
     thread.start()
-    thread.join()
+    thread.join(timeout_s)
+    with lock:
+        if "value" not in box and "error" not in box:
+            box["abandoned"] = True
+            what = f"{getattr(fn, '__name__', 'a call')} on CPUs {list(cpus)}"
+            raise TransferTimeoutError(what, timeout_s)
     if "error" in box:
         raise box["error"]
     value: T = box["value"]

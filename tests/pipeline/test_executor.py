@@ -65,3 +65,23 @@ def test_call_pinned_raises_what_the_call_raised() -> None:
 
     with pytest.raises(kvflow.StoreUnavailableError, match="no pool"):
         call_pinned(tuple(CPUS[-1:]), fail)
+
+
+@pytest.mark.skipif(not CPUS, reason="CPU affinity is a Linux feature")
+def test_call_pinned_gives_up_after_its_timeout_and_hands_a_late_result_on() -> None:
+    release = threading.Event()
+    late: list[str] = []
+    handed = threading.Event()
+
+    def slow() -> str:
+        assert release.wait(10)
+        return "store"
+
+    def take(value: str) -> None:
+        late.append(value)
+        handed.set()
+
+    with pytest.raises(kvflow.TransferTimeoutError, match="slow"):
+        call_pinned(tuple(CPUS[-1:]), slow, timeout_s=0.2, on_late=take)
+    release.set()
+    assert handed.wait(5) and late == ["store"]

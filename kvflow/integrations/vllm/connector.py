@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 __all__ = ["KVFlowConnector", "KVFlowConnectorMetadata", "KVFlowConnectorStats"]
 
 log = logging.getLogger("kvflow")
+# a backstop for creating a worker's pool client on the copy CPUs: each native call inside is
+# bounded by the store's own timeout_s already
+_STORE_OPEN_TIMEOUT_S = 120.0
 
 
 def _log_like_vllm() -> None:
@@ -204,7 +207,15 @@ class KVFlowConnector(KVConnectorBase_V1):
         # (the shared pool's server, which a store may start, is not pinned to one worker's)
         cpus = self.config.copy_cpus if kind == "mooncake" and not scheduler else ()
         try:
-            store = call_pinned(cpus, _make_store, self.config, scheduler, device)
+            store = call_pinned(
+                cpus,
+                _make_store,
+                self.config,
+                scheduler,
+                device,
+                timeout_s=_STORE_OPEN_TIMEOUT_S,
+                on_late=Store.close,
+            )
         except KVFlowError as exc:
             self._store_error = f"{type(exc).__name__}: {exc}"
             log.error("kvflow: the %s pool is unavailable (%s); running without it", kind, exc)
