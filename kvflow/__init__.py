@@ -14,7 +14,7 @@ async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(model="m")) 
 """
 
 from kvflow.config import EngineConfig, parse_size
-from kvflow.devices import CpuDevice, DeviceOps, device_ops
+from kvflow.devices import CpuDevice, CudaDevice, DeviceOps, StreamDevice, device_ops
 from kvflow.errors import (
     ClosedError,
     ConfigError,
@@ -70,6 +70,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "CpuDevice",
+    "CudaDevice",
     "CopyRecord",
     "DeviceOps",
     "Direction",
@@ -105,6 +106,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "StoreUsage",
+    "StreamDevice",
     "SupportsUsage",
     "SyncLoadHandle",
     "SyncSaveHandle",

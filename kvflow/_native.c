@@ -4,6 +4,9 @@
  * length. Ranges of at least stream_min bytes are copied with non-temporal stores on x86-64
  * (the destination bypasses the caches, as glibc's memcpy does only for copies of tens of MiB);
  * shorter ones with memcpy. Ranges must not overlap; the caller has checked every address.
+ *
+ * batch_copy_async(dst, src, sizes, fn, stream, kind) issues the same ranges through a function
+ * with cudaMemcpyAsync's signature (device memory), one call per range, without the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,6 +70,38 @@ static int get_int64s(PyObject *obj, Py_buffer *view, const char *name)
     return 0;
 }
 
+/* The three int64 arrays of a batch: one length, or an exception set and nothing held. */
+static int get_ranges(PyObject *dst_obj, PyObject *src_obj, PyObject *size_obj, Py_buffer *dst,
+                      Py_buffer *src, Py_buffer *size)
+{
+    if (get_int64s(dst_obj, dst, "dst") < 0)
+        return -1;
+    if (get_int64s(src_obj, src, "src") < 0) {
+        PyBuffer_Release(dst);
+        return -1;
+    }
+    if (get_int64s(size_obj, size, "sizes") < 0) {
+        PyBuffer_Release(dst);
+        PyBuffer_Release(src);
+        return -1;
+    }
+    if (dst->len != size->len || src->len != size->len) {
+        PyErr_SetString(PyExc_ValueError, "dst, src and sizes differ in length");
+        PyBuffer_Release(dst);
+        PyBuffer_Release(src);
+        PyBuffer_Release(size);
+        return -1;
+    }
+    return 0;
+}
+
+static void release_ranges(Py_buffer *dst, Py_buffer *src, Py_buffer *size)
+{
+    PyBuffer_Release(dst);
+    PyBuffer_Release(src);
+    PyBuffer_Release(size);
+}
+
 static PyObject *batch_copy(PyObject *self, PyObject *args)
 {
     PyObject *dst_obj, *src_obj, *size_obj;
@@ -74,21 +109,10 @@ static PyObject *batch_copy(PyObject *self, PyObject *args)
     Py_buffer dst, src, size;
     if (!PyArg_ParseTuple(args, "OOOL", &dst_obj, &src_obj, &size_obj, &stream_min))
         return NULL;
-    if (get_int64s(dst_obj, &dst, "dst") < 0)
+    if (get_ranges(dst_obj, src_obj, size_obj, &dst, &src, &size) < 0)
         return NULL;
-    if (get_int64s(src_obj, &src, "src") < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (get_int64s(size_obj, &size, "sizes") < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
     Py_ssize_t count = size.len / 8;
-    if (dst.len != size.len || src.len != size.len) {
-        PyErr_SetString(PyExc_ValueError, "dst, src and sizes differ in length");
-    } else {
+    {
         const int64_t *d = (const int64_t *)dst.buf;
         const int64_t *s = (const int64_t *)src.buf;
         const int64_t *n = (const int64_t *)size.buf;
@@ -111,17 +135,73 @@ static PyObject *batch_copy(PyObject *self, PyObject *args)
         Py_END_ALLOW_THREADS
         (void)streamed;
     }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&size);
-    if (PyErr_Occurred())
-        return NULL;
+    release_ranges(&dst, &src, &size);
     Py_RETURN_NONE;
+}
+
+/* The CUDA runtime's cudaMemcpyAsync, by signature: (dst, src, count, kind, stream) -> error.
+ * kvflow never links against CUDA; the caller passes the function's address, taken from the
+ * runtime library torch has loaded. */
+typedef int (*memcpy_async_fn)(void *, const void *, size_t, int, void *);
+
+/* The same signature over host memory: a synchronous memcpy that never fails. It stands in for
+ * the CUDA runtime where there is none (tests of the loop, the loop's cost per call). */
+static int host_memcpy_async(void *dst, const void *src, size_t n, int kind, void *stream)
+{
+    (void)kind;
+    (void)stream;
+    memcpy(dst, src, n);
+    return 0;
+}
+
+static PyObject *batch_copy_async(PyObject *self, PyObject *args)
+{
+    PyObject *dst_obj, *src_obj, *size_obj;
+    unsigned long long fn_addr, stream;
+    int kind;
+    Py_buffer dst, src, size;
+    if (!PyArg_ParseTuple(args, "OOOKKi", &dst_obj, &src_obj, &size_obj, &fn_addr, &stream,
+                          &kind))
+        return NULL;
+    if (fn_addr == 0) {
+        PyErr_SetString(PyExc_ValueError, "fn is a null function pointer");
+        return NULL;
+    }
+    if (get_ranges(dst_obj, src_obj, size_obj, &dst, &src, &size) < 0)
+        return NULL;
+    memcpy_async_fn fn = (memcpy_async_fn)(uintptr_t)fn_addr;
+    Py_ssize_t count = size.len / 8, failed = -1;
+    int error = 0;
+    const int64_t *d = (const int64_t *)dst.buf;
+    const int64_t *s = (const int64_t *)src.buf;
+    const int64_t *n = (const int64_t *)size.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (n[i] < 0) {
+            release_ranges(&dst, &src, &size);
+            return PyErr_Format(PyExc_ValueError, "sizes[%zd] is negative", i);
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        error = fn((void *)(intptr_t)d[i], (const void *)(intptr_t)s[i], (size_t)n[i], kind,
+                   (void *)(uintptr_t)stream);
+        if (error != 0) {
+            failed = i;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    release_ranges(&dst, &src, &size);
+    return Py_BuildValue("(ni)", failed, error);
 }
 
 static PyMethodDef methods[] = {
     {"batch_copy", batch_copy, METH_VARARGS,
      "batch_copy(dst, src, sizes, stream_min): copy every range, GIL released."},
+    {"batch_copy_async", batch_copy_async, METH_VARARGS,
+     "batch_copy_async(dst, src, sizes, fn, stream, kind) -> (failed, error): call the\n"
+     "cudaMemcpyAsync-like function at address fn once per range, GIL released; stops at the\n"
+     "first nonzero error and returns that range's index (-1 when every range was issued)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -139,5 +219,11 @@ PyMODINIT_FUNC PyInit__native(void)
 #else
     PyModule_AddIntConstant(m, "STREAMING", 0);
 #endif
+    PyObject *host = PyLong_FromVoidPtr((void *)(uintptr_t)&host_memcpy_async);
+    if (host == NULL || PyModule_AddObject(m, "HOST_MEMCPY_ASYNC", host) < 0) {
+        Py_XDECREF(host);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

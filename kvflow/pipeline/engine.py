@@ -127,10 +127,11 @@ class TransferEngine:
         back MISSING, chunks whose copy fails FAILED: their blocks must be recomputed.
         """
         self._check_open()
-        return await self._open_load(self._plan(requests, load=True))
+        return await self._open_load(self._plan(requests, load=True), self._device.load_started())
 
-    async def _open_load(self, plan: BatchPlan) -> LoadHandle:
-        """The store half of ``start_load``, for a plan made (and checked) already."""
+    async def _open_load(self, plan: BatchPlan, ready: Any = None) -> LoadHandle:
+        """The store half of ``start_load``, for a plan made (and checked) already; ``ready``
+        is ``DeviceOps.load_started``'s token from the caller's thread."""
         self._check_open()
         status = np.full(plan.num_chunks, ChunkStatus.FAILED, dtype=np.int8)
         session = None
@@ -147,7 +148,9 @@ class TransferEngine:
             active = np.flatnonzero(found)
             self._stats.load_missing_chunks += int((~found).sum())
         self._stats.loads += 1
-        return self._track(LoadHandle, plan, session, active, status)
+        handle = self._track(LoadHandle, plan, session, active, status)
+        handle.ready = ready  # read by its first layer, on the loop, after this returns
+        return handle
 
     async def start_save(self, requests: Sequence[Request]) -> SaveHandle:
         """Start saving a batch of ``(token_ids, block_ids)``; returns at once with a handle.

@@ -42,6 +42,7 @@ class LoadHandle(BatchTransfer):
     def __init__(self, engine: TransferEngine, *args: Any) -> None:
         self._next = 0
         self._consumed = 0
+        self.ready: Any = None  # DeviceOps.load_started's token: every copy waits for it
         self._slots = asyncio.Semaphore(engine.config.prefetch_layers)
         super().__init__(engine, *args)
 
@@ -53,7 +54,7 @@ class LoadHandle(BatchTransfer):
         if not await acquire_within(self._slots, limit):
             raise TransferTimeoutError(f"the consumer passing layer {self._next - 1}", limit)
         layer, self._next = self._next, self._next + 1
-        return layer, None
+        return layer, self.ready
 
     @property
     def consumed(self) -> int:
@@ -75,8 +76,9 @@ class LoadHandle(BatchTransfer):
 
     async def wait_layer(self, layer: int, timeout: float | None = None) -> Any:
         """Return when ``layer`` of every chunk is in device memory (or has failed: see
-        ``wait()``'s result). Raises TransferTimeoutError after ``timeout`` seconds. Returns the
-        device's token for the copy (``DeviceOps.layer_loaded``; None on CPU)."""
+        ``wait()``'s result); on a CUDA GPU, when its copies are issued: the returned token is
+        the event to order the consumer's stream after (``DeviceOps.order_after``). Raises
+        TransferTimeoutError after ``timeout`` seconds. None on CPU."""
         layer = self._engine.layout.check_layer(layer)
         if self._closed:
             raise ClosedError("LoadHandle")

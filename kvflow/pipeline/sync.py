@@ -113,7 +113,8 @@ class SyncTransferEngine:
             raise ClosedError("SyncTransferEngine")
         self.engine._check_open()
         plan = self.engine._plan(requests, load=True)
-        opening = asyncio.run_coroutine_threadsafe(self.engine._open_load(plan), self._loop)
+        ready = self.engine._device.load_started()  # on the caller's thread (its stream)
+        opening = asyncio.run_coroutine_threadsafe(self.engine._open_load(plan, ready), self._loop)
         return SyncLoadHandle(self, opening)
 
     def start_save(

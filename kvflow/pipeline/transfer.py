@@ -56,6 +56,7 @@ class BatchTransfer:
         status: np.ndarray,
     ) -> None:
         self._engine = engine
+        self._loop = asyncio.get_running_loop()
         self._plan = plan
         self._session = session
         self._active = active  # batch chunk indices that are copied
@@ -168,12 +169,23 @@ class BatchTransfer:
     def _copy(self, layer: int, ranges: LayerRanges, token: Any) -> np.ndarray:
         """On a copy thread: wait for the device, move the bytes, return failed range indices."""
         device = self._engine._device
-        if self.direction == Direction.TO_POOL:
-            device.wait_ready(token)
-        failed = self._engine.store.batch_copy(
-            ranges.pool, ranges.local, ranges.sizes, self.direction
-        )
-        if self.direction == Direction.FROM_POOL:
+        loading = self.direction == Direction.FROM_POOL
+        issued = False
+
+        # asynchronous copies (CUDA): the consumer may go on once they are issued, its stream
+        # waiting on their event; a failure found later still fails the chunks in the result
+        def on_issued(loaded: Any) -> None:
+            nonlocal issued
+            issued = True
+            self.loaded_tokens[layer] = loaded
+            self.layer_events[layer].set()
+            self._loop.call_soon_threadsafe(self._events[layer].set)
+
+        with device.copying(self.direction, token, on_issued if loading else None):
+            failed = self._engine.store.batch_copy(
+                ranges.pool, ranges.local, ranges.sizes, self.direction
+            )
+        if loading and not issued:
             self.loaded_tokens[layer] = device.layer_loaded(layer)
             if len(failed) == 0:  # the fast path: a waiting consumer wakes without a loop hop
                 self.layer_events[layer].set()

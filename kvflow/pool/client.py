@@ -17,7 +17,9 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Callable
 
+from kvflow.cuda import pin_host
 from kvflow.errors import ProtocolError, StoreError, StoreUnavailableError
 from kvflow.pool import protocol as p
 
@@ -63,6 +65,7 @@ class PoolConnection:
         *,
         populate: bool = False,
         trusted_uids: tuple[int, ...] = (),
+        pin: bool | None = False,
     ) -> None:
         self.path = path
         self.timeout_s = timeout_s
@@ -70,6 +73,8 @@ class PoolConnection:
         self.base = 0
         self.capacity = 0
         self.retired = False
+        self.pinned = False
+        self._unpin: Callable[[], None] | None = None
         self._next_id = 1
         _check_directory(path, trusted_uids)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -83,8 +88,11 @@ class PoolConnection:
         try:
             _check_peer(sock, path, trusted_uids)
             self.hello = self._greet(populate)
+            self._unpin = pin_host(self.base, self.capacity, pin)
+            self.pinned = self._unpin is not None
         except BaseException:
             self.close()
+            self.unmap()
             raise
 
     def _greet(self, populate: bool) -> p.Hello:
@@ -195,6 +203,7 @@ class PoolConnection:
     def retire(self) -> None:
         """Give the arena's memory back but keep its address range reserved (no access), so
         no later mapping can land where stale addresses point. ``unmap()`` frees the range."""
+        self._release_pin()
         if self.base and not self.retired:
             flags = _MAP_FIXED | mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
             got = _libc.mmap(self.base, self.capacity, _PROT_NONE, flags, -1, 0)
@@ -203,9 +212,15 @@ class PoolConnection:
             self.retired = True
 
     def unmap(self) -> None:
+        self._release_pin()
         if self.base:
             unmap(self.base, self.capacity)
             self.base = 0
+
+    def _release_pin(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
 
 
 def map_shared(fd: int, size: int, populate: bool) -> int:

@@ -112,7 +112,10 @@ class Store(ABC):
     ``device_memory`` names the kinds of memory (torch device types) that ``batch_copy``'s local
     addresses may point into: host memory (``"cpu"``) for stores that copy with the CPU; a
     store whose own copy engine reaches accelerator memory (memcache's ``L2G``/``G2L`` on an
-    NPU) names that device. The engine refuses KV caches on a device its store cannot copy.
+    NPU) names that device. The host pools name ``"cuda"`` too: on a CUDA GPU their
+    ``copy_ranges`` call goes to the copy thread's mover (``kvflow.devices.CudaDevice``), so
+    such a store copies through ``copy_ranges`` once per ``batch_copy``. The engine refuses KV
+    caches on a device its store cannot copy.
     """
 
     inline_metadata: bool = False

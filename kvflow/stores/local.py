@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvflow.config import parse_size
+from kvflow.cuda import pin_host
 from kvflow.errors import ClosedError, ConfigError, InvalidArgumentError
 from kvflow.stores.arena import SLOT_ALIGN, ArenaIndex
 from kvflow.stores.base import (
@@ -37,6 +39,11 @@ class LocalStore(Store):
     saves; ``prefault=True`` pays that once, at construction, instead. ``native_copy=False``
     uses the pure-Python copy loop even where the native one is built (for comparisons).
 
+    KV caches on a CUDA GPU are copied by the GPU's DMA engines (``Store.device_memory``; see
+    ``kvflow.devices.CudaDevice``). ``pin`` page-locks the arena for that (``kvflow.cuda``):
+    ``None`` (the default) when a CUDA GPU is present, ``True`` always (an error without one),
+    ``False`` never. Pinning maps every page at construction, like ``prefault``.
+
     Two-phase writes, read leases and LRU eviction of committed, unleased objects (see
     ``kvflow.stores.base`` for the contract). A save that finds no room is skipped and counted.
 
@@ -50,16 +57,28 @@ class LocalStore(Store):
     """
 
     inline_metadata = True
+    device_memory = frozenset({"cpu", "cuda"})
 
     def __init__(
-        self, capacity: int | str = "1GiB", *, prefault: bool = False, native_copy: bool = NATIVE
+        self,
+        capacity: int | str = "1GiB",
+        *,
+        prefault: bool = False,
+        native_copy: bool = NATIVE,
+        pin: bool | None = None,
     ) -> None:
         size = parse_size(capacity, argument="capacity")
         if size < SLOT_ALIGN:
             raise ConfigError("capacity", capacity, f"must be at least {SLOT_ALIGN} bytes")
+        if pin not in (None, True, False):
+            raise ConfigError("pin", pin, "expected None (when a GPU is present), True or False")
         self._map = _anonymous_map(size, prefault=prefault)
         self._buffer = np.frombuffer(self._map, dtype=np.uint8)
         self._base = int(self._buffer.ctypes.data)
+        unpin = pin_host(self._base, size, pin)
+        self.pinned = unpin is not None
+        if unpin is not None:  # unpinned when the store goes, before its memory is unmapped
+            weakref.finalize(self, unpin)
         self._index = ArenaIndex(size)
         self._lock = threading.Lock()
         self._regions = LocalRegions()
@@ -139,6 +158,7 @@ class LocalStore(Store):
         u = self.usage()
         return (
             f"LocalStore(capacity={u.capacity}, used={u.used}, objects={u.objects}, "
+            f"pinned={self.pinned}, "
             f"pending={u.pending_writes}, leases={u.leases}, closed={self._closed})"
         )
 

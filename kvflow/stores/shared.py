@@ -63,7 +63,12 @@ class SharedStore(Store):
     connection fail; the next call after ``retry_interval_s`` reconnects, to a restarted server
     too. A copy only ever touches pool memory this client holds: its granted write slots, or
     objects under a live read lease (checked against the lease's time limit before and after
-    the copy), so a lost lease can never pass torn bytes off as loaded.
+    the copy), so a lost lease can never pass torn bytes off as loaded (on a CUDA GPU the
+    consumer's kernels may already have run when the check after the copy fails: the chunk is
+    still reported failed, and an inference server recomputes it).
+
+    KV caches on a CUDA GPU are copied by the GPU (``kvflow.devices.CudaDevice``); this
+    process's mapping of the arena is pinned for that when a GPU is present (``pin``).
 
     Concurrency: every method is thread-safe. Metadata calls share one connection and take one
     lock (a round trip each); ``batch_copy`` takes no lock across the copy and runs on several
@@ -72,6 +77,7 @@ class SharedStore(Store):
     """
 
     inline_metadata = False
+    device_memory = frozenset({"cpu", "cuda"})
 
     def __init__(self, config: SharedStoreConfig | None = None, **options: Any) -> None:
         if config is not None and options:
@@ -279,20 +285,26 @@ class SharedStore(Store):
     def _connect(self) -> PoolConnection:
         cfg = self.config
         try:
-            conn = PoolConnection(
-                cfg.socket, cfg.timeout_s, populate=cfg.populate, trusted_uids=cfg.server_uids
-            )
+            conn = self._open_connection()
         except StoreUnavailableError:
             if not cfg.auto_start:
                 raise
             start_in_background(cfg.server_config(), cfg.start_timeout_s)
-            conn = PoolConnection(
-                cfg.socket, cfg.timeout_s, populate=cfg.populate, trusted_uids=cfg.server_uids
-            )
+            conn = self._open_connection()
         if self._sessions or self.reconnects or self._retry_at:
             log.info("kvflow: connected to the pool on %s", cfg.socket)
         self.reconnects += 1
         return conn
+
+    def _open_connection(self) -> PoolConnection:
+        cfg = self.config
+        return PoolConnection(
+            cfg.socket,
+            cfg.timeout_s,
+            populate=cfg.populate,
+            trusted_uids=cfg.server_uids,
+            pin=cfg.pin,
+        )
 
     def _call(self, op: p.Op, body: bytes = b"") -> tuple[p.Code, bytes]:
         _, code, reply = self._call_on(op, body)

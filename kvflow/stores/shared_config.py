@@ -31,6 +31,8 @@ class SharedStoreConfig:
             faults on first copies).
         server_uids: uids whose server is trusted besides this process's own (the server's
             uid and the socket directory's owner are checked at every connect).
+        pin: page-lock this process's mapping of the arena for GPU copies (``kvflow.cuda``):
+            ``None`` when a CUDA GPU is present, ``True`` always, ``False`` never.
     """
 
     socket: str = ""
@@ -42,6 +44,7 @@ class SharedStoreConfig:
     start_timeout_s: float = 60.0
     populate: bool = False
     server_uids: tuple[int, ...] = ()
+    pin: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "socket", check_socket_path(self.socket or default_socket()))
@@ -55,6 +58,8 @@ class SharedStoreConfig:
         if any(isinstance(u, bool) or not isinstance(u, int) or u < 0 for u in uids):
             raise ConfigError("server_uids", self.server_uids, "must be user ids (integers >= 0)")
         object.__setattr__(self, "server_uids", uids)
+        if self.pin not in (None, True, False):
+            raise ConfigError("pin", self.pin, "expected null (when a GPU is present), true, false")
 
     def server_config(self) -> PoolConfig:
         return PoolConfig(socket=self.socket, capacity=self.capacity, lease_ttl_s=self.lease_ttl_s)

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -544,7 +544,10 @@ def _make_store(config: ConnectorConfig, scheduler: bool, device: str = "cpu") -
     if config.store == "shared":
         from kvflow.stores.shared import SharedStore
 
-        return SharedStore(config.shared_config())
+        shared = config.shared_config()
+        if scheduler:  # it never copies: no CUDA context, no page-locked mapping
+            shared = replace(shared, pin=False)
+        return SharedStore(shared)
     if config.store == "mooncake":
         from kvflow.stores.mooncake import MooncakeStore
 
