@@ -159,7 +159,11 @@ class TransferEngine:
         room NO_SPACE (skipped, counted). Objects become visible after the last layer.
         """
         self._check_open()
-        plan = self._plan(requests, load=False)
+        return await self._open_save(self._plan(requests, load=False))
+
+    async def _open_save(self, plan: BatchPlan) -> SaveHandle:
+        """The store half of ``start_save``, for a plan made (and checked) already."""
+        self._check_open()
         status = np.full(plan.num_chunks, ChunkStatus.FAILED, dtype=np.int8)
         session = None
         nbytes = self.layout.object_bytes(self.config.chunk_blocks)

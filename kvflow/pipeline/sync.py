@@ -13,7 +13,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvflow.config import EngineConfig
 from kvflow.devices import DeviceOps
@@ -23,7 +23,7 @@ from kvflow.layout import KVLayout
 from kvflow.pipeline.engine import Request, TransferEngine
 from kvflow.pipeline.executor import pin_current_thread
 from kvflow.pipeline.handles import LoadHandle, SaveHandle
-from kvflow.pipeline.transfer import _STRAGGLER_GRACE
+from kvflow.pipeline.transfer import _STRAGGLER_GRACE, BatchTransfer
 from kvflow.results import TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores.base import Store
@@ -31,6 +31,8 @@ from kvflow.stores.base import Store
 __all__ = ["SyncLoadHandle", "SyncSaveHandle", "SyncTransferEngine"]
 
 T = TypeVar("T")
+H = TypeVar("H", bound=BatchTransfer)
+Self_ = TypeVar("Self_", bound="_Opening[Any]")
 
 
 class SyncTransferEngine:
@@ -120,10 +122,16 @@ class SyncTransferEngine:
     def start_save(
         self, requests: Sequence[Request], timeout: float | None = None
     ) -> SyncSaveHandle:
-        handle = self._call(
-            self.engine.start_save(requests), timeout, "start_save", on_late=SaveHandle.aclose
-        )
-        return SyncSaveHandle(self, handle)
+        """Start saving a batch; returns without waiting for the store, like ``start_load``:
+        the requests are checked here, the pool's session opens on the loop while the caller
+        computes, and the first ``layer_written`` waits for it (at most ``timeout``, default
+        that call's own timeout)."""
+        if self._closed:
+            raise ClosedError("SyncTransferEngine")
+        self.engine._check_open()
+        plan = self.engine._plan(requests, load=False)
+        opening = asyncio.run_coroutine_threadsafe(self.engine._open_save(plan), self._loop)
+        return SyncSaveHandle(self, opening, timeout)
 
     def stats(self) -> EngineStats:
         stats: EngineStats = self._call(_value(self.engine.stats), None, "stats")
@@ -171,69 +179,54 @@ def _hand_over(
         asyncio.run_coroutine_threadsafe(result, loop)
 
 
-class _SyncHandle:
-    def __init__(self, owner: SyncTransferEngine, handle: LoadHandle | SaveHandle) -> None:
-        self._owner = owner
-        self.handle = handle
+class _Opening(Generic[H]):
+    """Blocking view of a handle whose store session may still be opening (see
+    ``SyncTransferEngine.start_load``). An open that fails (the store down, the engine closed)
+    raises from the first call that needs the handle."""
 
-    def wait(self, timeout: float | None = None) -> TransferResult:
-        """Block until the batch's result is known (at most ``timeout`` seconds)."""
-        return self._owner._call(self.handle.wait(timeout), self._owner._outer(timeout), "wait")
-
-    def close(self) -> None:
-        """Stop the batch; its leases and slots are released."""
-        self._owner._call(self.handle.aclose(), None, "close")
-
-    def done(self) -> bool:
-        return self.handle.done()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class SyncLoadHandle:
-    """Blocking view of a LoadHandle whose store session may still be opening (see
-    ``SyncTransferEngine.start_load``). One loop hop per ``wait_layer``, sent without waiting.
-    An open that fails (the store down, the engine closed) raises from the first wait."""
+    _kind: type[H]
 
     def __init__(
-        self, owner: SyncTransferEngine, opening: concurrent.futures.Future[LoadHandle]
+        self,
+        owner: SyncTransferEngine,
+        opening: concurrent.futures.Future[H],
+        open_timeout: float | None = None,
     ) -> None:
         self._owner = owner
         self._opening = opening
-        self._handle: LoadHandle | None = None
-        self._passed = -1  # the last layer this caller has waited for
+        self._open_timeout = open_timeout  # bounds the wait for the session, if given
+        self._handle: H | None = None
 
     @property
-    def handle(self) -> LoadHandle:
-        """The engine's LoadHandle, once open (waits at most ``op_timeout_s``)."""
+    def handle(self) -> H:
+        """The engine's handle, once open (waits at most ``op_timeout_s``)."""
         return self._opened(None)
 
-    def _opened(self, timeout: float | None) -> LoadHandle:
+    def _opened(self, timeout: float | None) -> H:
         if self._handle is None:
             limit = self._owner._timeout if timeout is None else timeout
+            if self._open_timeout is not None:
+                limit = self._open_timeout
+            name = self._kind.__name__
             try:
                 self._handle = self._opening.result(limit)
             except concurrent.futures.TimeoutError:
-                raise TransferTimeoutError("start_load's store session", limit) from None
+                raise TransferTimeoutError(f"{name}'s store session", limit) from None
             except concurrent.futures.CancelledError:
-                raise ClosedError("LoadHandle") from None
+                raise ClosedError(name) from None
         return self._handle
 
     def wait(self, timeout: float | None = None) -> TransferResult:
+        """Block until the batch's result is known (at most ``timeout`` seconds)."""
         h = self._opened(timeout)
         return self._owner._call(h.wait(timeout), self._owner._outer(timeout), "wait")
 
     def close(self) -> None:
-        """Stop the batch; its leases are released. Does not wait for a session still
-        opening: that one is released as soon as it opens (``done()`` says when)."""
+        """Stop the batch; its leases and slots are released. Does not wait for a session
+        still opening: that one is released as soon as it opens (``done()`` says when)."""
         if self._handle is None and not self._opening.done():  # closed when it opens
-            self._opening.add_done_callback(
-                lambda f: _hand_over(f, LoadHandle.aclose, self._owner._loop)
-            )
+            kind = self._kind
+            self._opening.add_done_callback(lambda f: _hand_over(f, kind.aclose, self._owner._loop))
             return
         try:
             h = self._opened(None)
@@ -250,16 +243,30 @@ class SyncLoadHandle:
             self._handle = self._opening.result()
         return self._handle.done()
 
-    def __enter__(self) -> SyncLoadHandle:
+    def __enter__(self: Self_) -> Self_:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+class SyncLoadHandle(_Opening[LoadHandle]):
+    """Blocking view of a LoadHandle (see ``_Opening``). One loop hop per ``wait_layer``, sent
+    without waiting."""
+
+    _kind = LoadHandle
+
+    def __init__(
+        self, owner: SyncTransferEngine, opening: concurrent.futures.Future[LoadHandle]
+    ) -> None:
+        super().__init__(owner, opening)
+        self._passed = -1  # the last layer this caller has waited for
+
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """Block until ``layer``'s copy is done; moves the prefetch window forward. On an
-        accelerator the caller's current stream is also made to wait for the copy's event
-        (``DeviceOps.order_after``), so its later kernels read the loaded layer."""
+        """Block until ``layer``'s copy is done (on a CUDA GPU: issued); moves the prefetch
+        window forward. On an accelerator the caller's current stream is also made to wait for
+        the copy's event (``DeviceOps.order_after``), so its later kernels read the loaded
+        layer."""
         limit = self._owner._timeout if timeout is None else timeout
         h = self._opened(limit)
         layer = h._engine.layout.check_layer(layer)
@@ -277,15 +284,16 @@ class SyncLoadHandle:
         h._engine._device.order_after(h.loaded_tokens[layer])  # the caller's stream, after it
 
 
-class SyncSaveHandle(_SyncHandle):
-    """Blocking view of a SaveHandle."""
+class SyncSaveHandle(_Opening[SaveHandle]):
+    """Blocking view of a SaveHandle (see ``_Opening``)."""
 
-    handle: SaveHandle
+    _kind = SaveHandle
 
     def layer_written(self, layer: int, timeout: float | None = None) -> None:
         """Layer ``layer`` is written; returns at once while the save backlog has room (the
-        layer is handed to the loop without waiting), blocks (at most ``timeout``) when full."""
-        h = self.handle
+        layer is handed to the loop without waiting), blocks (at most ``timeout``) when full.
+        The first call also waits for the store session to open."""
+        h = self._opened(timeout)
         layer, limit = h._claim(layer, timeout)
         token = h._engine._device.layer_written(layer)  # on the caller's thread (its stream)
         if not h._backlog.take_blocking(limit):

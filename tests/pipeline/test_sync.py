@@ -113,12 +113,16 @@ def test_sync_layer_written_returns_at_once_and_blocks_only_at_a_full_backlog(
 
 
 class SlowOpen(WrappedStore):
-    """A real LocalStore whose ``open_read`` waits for ``gate`` (a slow pool round trip)."""
+    """A real LocalStore whose ``open_read`` waits for ``gate``, and ``open_write`` for
+    ``write_gate`` (open at first): a slow pool round trip."""
 
     def __init__(self) -> None:
         super().__init__(kvflow.LocalStore("8MiB"))
         self.gate = threading.Event()
         self.opened = threading.Event()
+        self.write_gate = threading.Event()
+        self.write_gate.set()
+        self.write_opened = threading.Event()
 
     def open_read(self, keys):  # type: ignore[no-untyped-def]
         self.gate.wait(10)
@@ -126,6 +130,13 @@ class SlowOpen(WrappedStore):
             return super().open_read(keys)
         finally:
             self.opened.set()
+
+    def open_write(self, keys, nbytes):  # type: ignore[no-untyped-def]
+        self.write_gate.wait(10)
+        try:
+            return super().open_write(keys, nbytes)
+        finally:
+            self.write_opened.set()
 
 
 def saved_engine(store: kvflow.Store, caches: list[torch.Tensor]) -> kvflow.SyncTransferEngine:
@@ -176,5 +187,58 @@ def test_a_load_closed_while_its_session_opens_releases_it_when_it_opens() -> No
     while not (handle.done() and store.usage().leases == 0) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert handle.done() and store.usage().leases == 0 and store.usage().open_sessions == 0
+    engine.close()
+    store.close()
+
+
+def test_start_save_returns_before_the_store_session_opens() -> None:
+    caches = make_caches(3)
+    store = SlowOpen()
+    engine = saved_engine(store, caches)
+    store.write_gate.clear()
+    store.write_opened.clear()
+    start = time.monotonic()
+    save = engine.start_save([(np.arange(100, 132), [2, 3])])
+    assert time.monotonic() - start < 0.5 and not store.write_opened.is_set()
+    assert not save.done()
+    threading.Timer(0.1, store.write_gate.set).start()
+    for layer in range(3):
+        save.layer_written(layer, timeout=5)  # the first waits for the open
+    assert save.wait(timeout=5).ok and save.done()
+    store.gate.set()
+    assert engine.load(np.arange(100, 132), [6, 7]).ok
+    for c in caches:
+        assert torch.equal(c[6:8].view(torch.uint8), c[2:4].view(torch.uint8))
+    engine.close()
+    store.close()
+
+
+def test_start_save_refuses_bad_requests_at_once() -> None:
+    store = SlowOpen()
+    engine = saved_engine(store, make_caches(3))
+    store.write_opened.clear()
+    with pytest.raises(kvflow.InvalidArgumentError, match="block_ids"):
+        engine.start_save([(np.arange(32), [6, 10_000])])
+    assert not store.write_opened.is_set()  # the store was not asked
+    engine.close()
+    store.close()
+
+
+def test_a_save_closed_while_its_session_opens_aborts_it_when_it_opens() -> None:
+    store = SlowOpen()
+    engine = saved_engine(store, make_caches(3))
+    objects = store.usage().objects
+    store.write_gate.clear()
+    save = engine.start_save([(np.arange(100, 132), [2, 3])])
+    with pytest.raises(kvflow.TransferTimeoutError, match="store session"):
+        save.layer_written(0, timeout=0.05)
+    save.close()  # returns: the session is not open yet
+    store.write_gate.set()
+    deadline = time.monotonic() + 5
+    while not (save.done() and store.usage().open_sessions == 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    usage = store.usage()
+    assert save.done() and usage.open_sessions == 0 and usage.pending_writes == 0
+    assert usage.objects == objects  # nothing of the closed save was committed
     engine.close()
     store.close()

@@ -6,8 +6,9 @@ saves (``planner.ChunkPlanner``), and in each worker as the WORKER, which moves 
 a SyncTransferEngine, layer by layer. They share no memory: the plan travels in
 ``KVFlowConnectorMetadata``.
 
-Worker, per step: the metadata is bound before the forward. The step's load starts at the first
-of ``start_load_kv`` and the first per-layer hook (vLLM may call the hooks first);
+Worker, per step: the metadata is bound before the forward. The step's load and save start at
+the first of ``start_load_kv`` and the first per-layer hook (vLLM may call the hooks first);
+neither waits for the pool's session, which opens while the first layers compute;
 ``wait_for_layer_load(layer)`` blocks until that layer is in place (or, with
 ``use_layerwise: false``, the whole load waits before layer 0). ``save_kv_layer(layer)`` hands a
 layer of the step's newly completed chunks to the save as soon as attention wrote it.
@@ -135,6 +136,7 @@ class _Step:
         self.load_started = False
         self.load_failed = False  # some block of the load is lost (all, before its result)
         self.save_stopped = False
+        self.save_written = False  # some layer reached the save (else the step had no forward)
         self.ended = False
 
 
@@ -351,26 +353,42 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._start_load()
 
     def _start_load(self) -> _Step | None:
+        """Start the step's transfers, once, at its first hook: the load, then the save (whose
+        store session then opens while the first layers compute)."""
         step = self._step
         if step is None or step.load_started:
             return step
         step.load_started = True
+        self._begin_load(step)
+        self._begin_save(step)
+        return step
+
+    def _begin_load(self, step: _Step) -> None:
         if not step.meta.loads:
-            return step
+            return
         if self._engine is None:  # the scheduler planned loads this worker cannot make
             step.load_failed = True
-            return step
+            return
         requests = [(ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.loads]
         try:
             step.load = self._engine.start_load(requests)
         except KVFlowError as exc:
             log.warning("kvflow: the step's load did not start: %s", exc)
             step.load_failed = True
-            return step
+            return
         if not self.config.use_layerwise:  # everything before the forward
             for layer in range(self._num_layers):
                 self._wait_layer(step, layer)
-        return step
+
+    def _begin_save(self, step: _Step) -> None:
+        if self._engine is None or not step.meta.saves or not self._saves_here:
+            return
+        requests = [(ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.saves]
+        try:
+            step.save = self._engine.start_save(requests)
+        except KVFlowError as exc:  # a save that cannot start is dropped: a future miss
+            log.warning("kvflow: the step's save did not start: %s", exc)
+            step.save_stopped = True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         step = self._start_load()
@@ -402,16 +420,10 @@ class KVFlowConnector(KVConnectorBase_V1):
     ) -> None:
         step = self._start_load()
         layer = self._layer_index.get(layer_name)
-        if step is None or self._engine is None or layer is None or step.save_stopped:
-            return
-        if not step.meta.saves or not self._saves_here:
+        if step is None or step.save is None or layer is None or step.save_stopped:
             return
         try:
-            if step.save is None:
-                requests = [
-                    (ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.saves
-                ]
-                step.save = self._engine.start_save(requests)
+            step.save_written = True
             step.save.layer_written(layer, timeout=self.config.op_timeout_s)
         except KVFlowError as exc:  # a save that cannot go on is dropped: a future miss
             log.warning("kvflow: the step's save stopped at %s: %s", layer_name, exc)
@@ -431,7 +443,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         if step.load is not None or step.load_failed:
             self._finish_load(step)
         if step.save is not None:
-            if step.load_failed or step.save_stopped:
+            if step.load_failed or step.save_stopped or not step.save_written:
                 self._drop(step.save, "save")
             else:
                 self._finish_save(step.save)
