@@ -210,14 +210,14 @@ class CopyBench:
         n_blocks: int,
         chunk_blocks: int = CHUNK_BLOCKS,
         loops: Sequence[str] = ("native",),
+        device: str = "cpu",
     ) -> None:
         n_blocks = max(chunk_blocks, n_blocks - n_blocks % chunk_blocks)
         self.block_bytes = block_bytes
         self.n_blocks = n_blocks
         self.nbytes = n_blocks * block_bytes
         self.chunk_blocks = chunk_blocks
-        self.device = torch.empty((n_blocks, block_bytes), dtype=torch.uint8)
-        self._stamp()
+        self.device = self._stamped().to(device)
         self.layout = KVLayout.from_tensors([self.device], block_size=16)
         self._pools: dict[str, tuple[LocalStore, WriteSession]] = {}
         try:
@@ -232,7 +232,12 @@ class CopyBench:
             raise ValueError(f"copy loop {loop!r}: expected one of {LOOPS}")
         n_chunks = self.n_blocks // self.chunk_blocks
         store = store_for(
-            self.layout, self.chunk_blocks, n_chunks, prefault=True, native_copy=loop == "native"
+            self.layout,
+            self.chunk_blocks,
+            n_chunks,
+            prefault=True,
+            native_copy=loop == "native",
+            pin=self.layout.device != "cpu",  # CPU rows on a GPU machine: pageable, as ever
         )
         store.register(self.layout.regions())
         obj = self.layout.object_bytes(self.chunk_blocks)
@@ -242,12 +247,13 @@ class CopyBench:
             raise RuntimeError("the copy benchmark's store did not grant every object")
         return store, session
 
-    def _stamp(self) -> None:
-        blocks = self.device.numpy()
+    def _stamped(self) -> torch.Tensor:
+        blocks = np.empty((self.n_blocks, self.block_bytes), dtype=np.uint8)
         blocks[:] = np.random.default_rng(0).integers(0, 256, blocks.shape[1], dtype=np.uint8)
         ids = np.arange(self.n_blocks, dtype=np.int64).view(np.uint8).reshape(-1, 8)
         blocks[:, :8] = ids
         blocks[:, -8:] = ids
+        return torch.from_numpy(blocks)
 
     def store(self, loop: str = "native") -> LocalStore:
         """The pool of copy loop ``loop``."""
@@ -266,13 +272,14 @@ class CopyBench:
         )
         return addrs.layer(0)
 
-    def verify(self, ranges: LayerRanges, loop: str = "native") -> None:
-        """Round-trip every block through ``loop``'s pool and check the stamps."""
-        store = self.store(loop)
+    def verify(self, ranges: LayerRanges, loop: str = "native", store: Any = None) -> None:
+        """Round-trip every block through ``loop``'s pool (or ``store``, something with its
+        ``batch_copy``) and check the stamps."""
+        store = store or self.store(loop)
         store.batch_copy(ranges.pool, ranges.local, ranges.sizes, Direction.TO_POOL)
         self.device.zero_()
         store.batch_copy(ranges.pool, ranges.local, ranges.sizes, Direction.FROM_POOL)
-        blocks = self.device.numpy()
+        blocks = self.device.cpu().numpy()
         ids = np.arange(self.n_blocks, dtype=np.int64)
         head = np.ascontiguousarray(blocks[:, :8]).view(np.int64).reshape(-1)
         tail = np.ascontiguousarray(blocks[:, -8:]).view(np.int64).reshape(-1)

@@ -8,14 +8,23 @@ kvflow ``PinnedExecutor``, unpinned and pinned (``copy_cpus``), and the Python f
 (what an install without a C compiler runs: a ``LocalStore(..., native_copy=False)`` with its
 own pool of the same size). Each figure is the best of N rounds; each ratio is to the memcpy of
 the same rounds.
+
+``--device cuda``: the blocks live in GPU memory and the pool is pinned; ``batch_copy`` runs as
+the engine runs it for CUDA caches (``CudaDevice``: one ``cudaMemcpyAsync`` per range on
+kvflow's copy stream, then a wait for the stream), and the reference is torch copying one
+pinned host tensor of the same bytes to or from the GPU (``copy_(non_blocking=True)``, then a
+synchronize), in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import torch
 
 from kvflow.bench.common import (
     CHUNK_BLOCKS,
@@ -39,9 +48,10 @@ from kvflow.bench.common import (
     submit_copy,
 )
 from kvflow.bench.report import Report
+from kvflow.devices import CudaDevice
 from kvflow.pipeline.addrgen import LayerRanges
 from kvflow.pipeline.executor import PinnedExecutor
-from kvflow.stores.base import Direction
+from kvflow.stores.base import Direction, Store
 from kvflow.stores.copyloop import NATIVE, STREAM_MIN_BYTES
 
 __all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
@@ -66,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-python-loop", action="store_true", help="skip the Python fallback loop rows"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the blocks live (cuda: against torch's copy of one pinned tensor)",
+    )
 
 
 @dataclass(frozen=True)
@@ -79,11 +95,52 @@ class Variant:
         return f"{self.loop} {self.threads}t{' pin' if self.pinned else ''}"
 
 
-def _variants(threads: list[int], python: bool) -> list[Variant]:
+def _variants(threads: list[int], python: bool, device: str) -> list[Variant]:
+    if device != "cpu":  # the GPU's DMA engines copy: neither CPU pinning nor a Python loop
+        return [Variant("native" if NATIVE else "python", n, False) for n in threads]
     out = [Variant("native", n, p) for n in threads for p in (False, True)] if NATIVE else []
     if python or not NATIVE:
         out += [Variant("python", n, False) for n in threads]
     return out
+
+
+Reference = Callable[[int, Direction], Callable[[], None]]
+
+
+def _memcpy(total: int) -> Reference:
+    memcpy = Memcpy(total)
+    return lambda nbytes, direction: memcpy.of(nbytes)
+
+
+def _torch_pinned(total: int) -> Reference:
+    """torch copying one pinned host tensor to or from the GPU, then a synchronize."""
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(total, dtype=torch.uint8, device="cuda")
+
+    def of(nbytes: int, direction: Direction) -> Callable[[], None]:
+        h, g = host[:nbytes], gpu[:nbytes]
+        dst, src = (h, g) if direction == Direction.TO_POOL else (g, h)
+
+        def copy() -> None:
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+
+        return copy
+
+    return of
+
+
+class _OnDevice:
+    """A pool's ``batch_copy`` as the engine's copy threads run it for CUDA caches."""
+
+    def __init__(self, store: Store, device: CudaDevice) -> None:
+        self.store, self.device = store, device
+
+    def batch_copy(
+        self, pool: np.ndarray, local: np.ndarray, sizes: np.ndarray, direction: Direction
+    ) -> np.ndarray:
+        with self.device.copying(direction, None):
+            return self.store.batch_copy(pool, local, sizes, direction)
 
 
 @dataclass
@@ -93,29 +150,38 @@ class _Run:
     variants: list[Variant]
     pins: dict[int, tuple[int, ...]]
     executors: dict[tuple[int, bool], PinnedExecutor]
-    memcpy: Memcpy
+    reference: Reference
+    device: str
+
+    def __post_init__(self) -> None:
+        self.gpu = CudaDevice(self.device) if self.device != "cpu" else None
+
+    def _store(self, bench: CopyBench, loop: str) -> Any:
+        store = bench.store(loop)
+        return store if self.gpu is None else _OnDevice(store, self.gpu)
 
     def gbps(
         self, bench: CopyBench, ranges: dict[str, LayerRanges], direction: Direction
     ) -> tuple[float, list[float]]:
-        """GB/s of the memcpy reference and of every variant, timed in turn, best of N; each
+        """GB/s of the reference and of every variant, timed in turn, best of N; each
         variant copies through the pool of its loop, with that pool's ``ranges``."""
-        fns = [self.memcpy.of(bench.nbytes)]
+        fns = [self.reference(bench.nbytes, direction)]
         for v in self.variants:
             executor = self.executors[v.threads, v.pinned]
-            fns.append(submit_copy(bench.store(v.loop), ranges[v.loop], direction, executor))
+            store = self._store(bench, v.loop)
+            fns.append(submit_copy(store, ranges[v.loop], direction, executor))
         ref, *times = best_times(fns, self.repeats)
         return bench.nbytes / ref / 1e9, [bench.nbytes / t / 1e9 for t in times]
 
     def block(self, block: int) -> Iterator[tuple[float, list[Any], list[dict[str, Any]]]]:
         """Per block-id order and direction: the memcpy GB/s, a table row, the JSON rows."""
         loops = list(dict.fromkeys(v.loop for v in self.variants))
-        bench = CopyBench(block, self.total // block, loops=loops)
+        bench = CopyBench(block, self.total // block, loops=loops, device=self.device)
         try:
             for coalesced in (True, False):
                 ranges = {loop: bench.ranges(coalesced, loop=loop) for loop in loops}
                 for loop, loop_ranges in ranges.items():
-                    bench.verify(loop_ranges, loop)
+                    bench.verify(loop_ranges, loop, self._store(bench, loop))
                 n_ranges = len(ranges[loops[0]])
                 for dname, direction in DIRECTIONS:
                     ref, rates = self.gbps(bench, ranges, direction)
@@ -151,9 +217,12 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     executors = {
         (n, p): PinnedExecutor(n, pins[n] if p else ()) for n in args.threads for p in (False, True)
     }
-    variants = _variants(args.threads, not args.no_python_loop)
+    device = args.device
+    variants = _variants(args.threads, not args.no_python_loop, device)
     repeats = pick(args.repeats, args.quick, 9, 5)
-    runner = _Run(total, repeats, variants, pins, executors, Memcpy(total))
+    reference = _memcpy(total) if device == "cpu" else _torch_pinned(total)
+    runner = _Run(total, repeats, variants, pins, executors, reference, device)
+    ref_name = "memcpy" if device == "cpu" else "torch pinned copy"
     if not NATIVE:
         report.note("copy: the native loop is not built; every row is the Python loop")
     loadavg = load_average()
@@ -172,7 +241,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         for executor in executors.values():
             executor.shutdown(wait=True)
     report.table(
-        f"copy: GB/s and share of the memcpy measured in the same rounds; "
+        f"copy ({device}): GB/s and share of the {ref_name} measured in the same rounds; "
         f"{fmt_bytes(total)} per copy, best of {repeats}, chunk_blocks="
         f"{CHUNK_BLOCKS}; pinned CPUs per thread count { {n: list(c) for n, c in pins.items()} }; "
         + (
@@ -185,13 +254,15 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             "block ids",
             "direction",
             "ranges",
-            "memcpy",
+            ref_name,
             *(v.label for v in runner.variants),
         ],
         table,
     )
     return {
         "scenario": "copy",
+        "device": device,
+        "reference": "numpy.copyto" if device == "cpu" else "torch copy_ of one pinned tensor",
         "memcpy_gbps": round(max(refs), 3),
         "memcpy_gbps_min": round(min(refs), 3),
         "bytes": total,

@@ -7,7 +7,8 @@ are real, and that the same KV bytes give the same output bit for bit.
 
 Caches are vLLM-shaped: ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer (K and V
 as two parts), or ``[num_blocks, block_size, latent_dim]`` for MLA, where one latent vector per
-token serves as both K and V of every head.
+token serves as both K and V of every head. The model runs where its ``device`` says (CPU, or
+a CUDA GPU for ``kvflow bench ttft --device cuda``).
 """
 
 from __future__ import annotations
@@ -65,18 +66,24 @@ class PagedModel:
     would (no gathered copy). Not thread-safe; the caller owns the compute thread.
     """
 
-    def __init__(self, shape: ModelShape, num_blocks: int, *, seed: int = 0) -> None:
+    def __init__(
+        self, shape: ModelShape, num_blocks: int, *, seed: int = 0, device: str = "cpu"
+    ) -> None:
         self.shape = shape
+        self.device = torch.device(device)
         dt = shape.torch_dtype
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         s = shape
         q_width = s.heads * (s.mla_dim or s.head_dim)
         kv_width = s.mla_dim or 2 * s.kv_heads * s.head_dim
 
-        def weight(fan_in: int, fan_out: int) -> torch.Tensor:
-            return (torch.randn(fan_in, fan_out, generator=gen) / fan_in**0.5).to(dt)
+        def randn(*size: int) -> torch.Tensor:
+            return torch.randn(*size, generator=gen, device=self.device)
 
-        self.embed = torch.randn(VOCAB, s.hidden, generator=gen).to(dt)
+        def weight(fan_in: int, fan_out: int) -> torch.Tensor:
+            return (randn(fan_in, fan_out) / fan_in**0.5).to(dt)
+
+        self.embed = randn(VOCAB, s.hidden).to(dt)
         self.weights = [
             {
                 "q": weight(s.hidden, q_width),
@@ -89,11 +96,14 @@ class PagedModel:
         ]
         if s.mla_dim:
             self.caches = [
-                torch.zeros(num_blocks, s.block_size, s.mla_dim, dtype=dt) for _ in range(s.layers)
+                torch.zeros(num_blocks, s.block_size, s.mla_dim, dtype=dt, device=self.device)
+                for _ in range(s.layers)
             ]
         else:
             self.caches = [
-                torch.zeros(2, num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype=dt)
+                torch.zeros(
+                    2, num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype=dt, device=device
+                )
                 for _ in range(s.layers)
             ]
 
@@ -103,7 +113,7 @@ class PagedModel:
         return KVLayout.from_kv_split_tensors(self.caches, block_size=self.shape.block_size)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed[tokens % VOCAB]
+        return self.embed[(tokens % VOCAB).to(self.device)]
 
     def layer(
         self, i: int, x: torch.Tensor, q_pos: torch.Tensor, first_block: int, n_ctx: int
@@ -149,6 +159,6 @@ def _attention(
         return out.transpose(0, 1)
     qg = q.view(n_q, kv_heads, group, d)
     scores = torch.einsum("qhgd,nhd->hgqn", qg, k) * d**-0.5
-    future = torch.arange(n_ctx)[None, :] > q_pos[:, None]
+    future = torch.arange(n_ctx, device=q.device)[None, :] > q_pos[:, None]
     scores.masked_fill_(future, float("-inf"))
     return torch.einsum("hgqn,nhd->qhgd", torch.softmax(scores, -1), v).reshape(n_q, heads, d)

@@ -77,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store", default="local", choices=STORE_KINDS, help="the pool to load from")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the model and its KV cache run (cuda: TTFTs end with a synchronize, "
+        "per-layer compute is timed with CUDA events)",
+    )
 
 
 def _apply_quick(args: argparse.Namespace) -> None:
@@ -104,7 +111,8 @@ class _Bench:
             raise ConfigError("tokens", total, reason)
         self.shape, self.total, self.prefix = shape, total, prefix
         n_all, n_pre = -(-total // bs), prefix // bs
-        self.model = PagedModel(shape, 2 * n_all, seed=args.seed)
+        self.device = torch.device(args.device)
+        self.model = PagedModel(shape, 2 * n_all, seed=args.seed, device=args.device)
         self.tokens = torch.from_numpy(
             np.random.default_rng(args.seed).integers(0, 1 << 30, total, dtype=np.int64)
         )
@@ -113,8 +121,8 @@ class _Bench:
         self.hbm_first, self.load_first = 0, n_all
         self.hbm_blocks = torch.arange(n_all)
         self.load_blocks = torch.arange(n_all, n_all + n_pre)
-        self.all_pos = torch.arange(total)
-        self.new_pos = torch.arange(prefix, total)
+        self.all_pos = torch.arange(total, device=self.device)
+        self.new_pos = torch.arange(prefix, total, device=self.device)
         self.pool_bytes = shape.kv_bytes_per_token_layer * prefix * shape.layers + (64 << 20)
         self.store = InstrumentedStore(LocalStore(4096))  # replaced by run()'s pool
 
@@ -125,15 +133,24 @@ class _Bench:
         before_layer: Callable[[int], None] | None = None,
         spans: list[tuple[float, float]] | None = None,
     ) -> torch.Tensor:
-        """Run every layer for the tokens at ``positions``; returns their final hidden states."""
-        x = self.model.embed_tokens(self.tokens[positions])
+        """Run every layer for the tokens at ``positions``; returns their final hidden states
+        once computed (on a GPU: after a synchronize). ``spans``: per layer, when its compute
+        ran (perf_counter seconds; on a GPU from CUDA events, placed on the same clock)."""
+        clock = _GpuClock() if self.device.type == "cuda" else None
+        now: Callable[[], Any] = clock.mark if clock else time.perf_counter
+        marks = []
+        x = self.model.embed_tokens(self.tokens[positions.cpu()])
         for i in range(self.shape.layers):
             if before_layer is not None:
                 before_layer(i)
-            start = time.perf_counter()
+            start = now()
             x = self.model.layer(i, x, positions, first_block, self.total)
-            if spans is not None:
-                spans.append((start, time.perf_counter()))
+            marks.append((start, now()))
+        if clock is not None:
+            torch.cuda.synchronize()
+            marks = [(clock.time(a), clock.time(b)) for a, b in marks]
+        if spans is not None:
+            spans.extend(marks)
         return x
 
     def clear_load_blocks(self) -> None:
@@ -185,6 +202,23 @@ class _Bench:
             "compute": [(a - t0, b - t0) for a, b in spans],
             "transfer": [(c.start - t0, c.end - t0) for c in copies],
         }
+
+
+class _GpuClock:
+    """CUDA events on the current stream, read back as perf_counter times: ``mark()`` records
+    one, ``time(event)`` (after a synchronize) is when the GPU reached it."""
+
+    def __init__(self) -> None:
+        self._origin = self.mark()  # the GPU is idle here: it reaches this event at once
+        self._host = time.perf_counter()
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def time(self, event: Any) -> float:
+        return self._host + float(self._origin.elapsed_time(event)) / 1e3
 
 
 @contextmanager
@@ -338,6 +372,7 @@ def _summarise(
             "prefix_tokens": bench.prefix,
             "hit_rate": bench.prefix / bench.total,
             "store": args.store,
+            "device": args.device,
             "chunk_blocks": args.chunk_blocks,
             "prefetch_layers": args.prefetch,
             "repeats": args.repeats,
