@@ -154,8 +154,13 @@ class _Bench:
         return x
 
     def clear_load_blocks(self) -> None:
+        """Zero the blocks a load fills, so a load that fails cannot pass for one that worked
+        (an index assignment writes in place; ``cache[ids].zero_()`` would zero a copy)."""
         for cache in self.model.caches:
-            (cache[self.load_blocks] if self.shape.mla_dim else cache[:, self.load_blocks]).zero_()
+            if self.shape.mla_dim:
+                cache[self.load_blocks] = 0
+            else:
+                cache[:, self.load_blocks] = 0
 
     def engine(self, prefetch: int, copy_cpus: tuple[int, ...], chunk_blocks: int) -> Any:
         config = EngineConfig(

@@ -66,3 +66,26 @@ def test_loaded_kv_is_what_the_model_computed() -> None:
     for i in range(2):
         c = model.layer(i, c, pos[6:], first_block=4, n_ctx=8)
     assert not torch.allclose(a, c, atol=1e-3)
+
+
+@pytest.mark.parametrize("mla", [0, 48])
+def test_every_load_run_starts_from_zeroed_blocks(mla: int) -> None:
+    """A load that failed must not pass for one that worked with the last run's bytes."""
+    import argparse
+
+    from kvflow.bench.ttft import _Bench, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*TINY, "--mla-dim", str(mla)])
+    shape = ModelShape(
+        layers=3, hidden=64, heads=4, kv_heads=2, head_dim=32, mlp=64, mla_dim=mla, block_size=4
+    )
+    bench = _Bench(args, shape)
+    for cache in bench.model.caches:
+        cache.fill_(1)
+    bench.clear_load_blocks()
+    for cache in bench.model.caches:
+        loaded = cache[bench.load_blocks] if mla else cache[:, bench.load_blocks]
+        assert not loaded.any()
+        assert cache.any()  # the other blocks are untouched
