@@ -34,7 +34,7 @@ fi
 step build 60 "$py" setup.py -q build_ext --inplace
 # pytest-asyncio may be missing: the CUDA tests need none of the project's pytest plugins
 step cuda-tests 180 "$py" -m pytest -c benchmarks/gpu_pytest.ini --rootdir . -q -rs \
-    --junitxml="$out/cuda-tests.xml" tests/cuda tests/test_cuda_path.py
+    --junitxml="$out/cuda-tests.xml" tests/cuda tests/test_cuda.py
 step copy 90 "$py" -m kvflow bench copy --device cuda --blocks 16KiB,64KiB,256KiB,1MiB \
     --bytes 256MiB --threads 1,2 --repeats 7 --json "$out/copy.json"
 # per-layer compute well above per-layer load: a 16-layer Llama-8B-shaped model, 8192 tokens,
