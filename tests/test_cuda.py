@@ -26,14 +26,11 @@ import kvflow.cuda
 from kvflow.devices import CudaDevice, device_ops
 from kvflow.results import ChunkStatus
 from kvflow.stores.base import Direction
-from kvflow.stores.copyloop import HOST_MEMCPY_ASYNC, NATIVE, issue_ranges
+from kvflow.stores.copyloop import HOST_MEMCPY_ASYNC, NATIVE, MemcpyAsyncFn, issue_ranges
 from tests.conftest import make_caches
 from tests.pools import ServedSharedStore
 
 BS = 16
-_SIG = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
-)
 
 
 class HostRuntime:
@@ -53,7 +50,7 @@ class HostRuntime:
             ctypes.memmove(dst, src, n)
             return 0
 
-        self._fn = _SIG(memcpy_async)  # kept alive as long as the runtime
+        self._fn = MemcpyAsyncFn(memcpy_async)  # kept alive as long as the runtime
         self.fn_addr = int(ctypes.cast(self._fn, ctypes.c_void_p).value or 0)
         # the C stand-in where nothing is to fail or be counted: the loop at full speed
         self.memcpy_async_addr = HOST_MEMCPY_ASYNC if fail_at is None and NATIVE else self.fn_addr

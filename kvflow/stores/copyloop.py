@@ -28,6 +28,7 @@ import numpy as np
 __all__ = [
     "HOST_MEMCPY_ASYNC",
     "NATIVE",
+    "MemcpyAsyncFn",
     "STREAM_MIN_BYTES",
     "Mover",
     "copy_ranges",
@@ -54,7 +55,8 @@ if os.environ.get("KVFLOW_NATIVE_COPY", "1") == "0":
 
 NATIVE: bool = _native is not None
 _memmove = ctypes.memmove
-_MEMCPY_ASYNC = ctypes.CFUNCTYPE(
+# the C type of cudaMemcpyAsync: (dst, src, count, kind, stream) -> error
+MemcpyAsyncFn = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
 )
 _thread = threading.local()
@@ -118,7 +120,7 @@ def issue_ranges(
         return int(failed), int(error)
     if sizes.size and sizes.min() < 0:
         raise ValueError(f"sizes[{int(np.argmin(sizes))}] is negative")
-    call = _MEMCPY_ASYNC(fn)
+    call = MemcpyAsyncFn(fn)
     for i, (d, s, n) in enumerate(zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True)):
         error = call(d, s, n, kind, stream)
         if error:
