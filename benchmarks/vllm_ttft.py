@@ -20,11 +20,13 @@ Tokens: each row's first ~99 % hit against the prefix-cache row's for the same p
 run (a full prefill, whose bf16 arithmetic can differ from a cached prefix's) is shown too.
 
 Rows: ``recompute`` (no connector, no prefix cache), ``prefix_cache`` (vLLM's prefix cache: the
-KV already in device memory), ``kvflow_layerwise`` (shared pool; copy thread pinned to the core
-the model does not use), ``kvflow_floating`` (the same, not pinned), ``kvflow_non_layerwise``
-(every layer loaded before the forward), ``kvflow_two_threads`` (two copy threads, four layers
-of prefetch, not pinned), ``mooncake_store_connector`` (vLLM's, on a
-``mooncake_master`` started here), ``kvflow_mooncake`` (kvflow on the same master).
+KV already in device memory), ``kvflow_layerwise`` (shared pool, default settings: the copy
+thread pinned to the core vLLM did not bind the model to), ``kvflow_floating`` (the same with
+``copy_cpus: []``: the copy thread inherits the model thread's affinity, i.e. its core),
+``kvflow_non_layerwise`` (every layer loaded before the forward), ``kvflow_two_threads`` (two
+copy threads, four layers of prefetch, ``copy_cpus: []``), ``mooncake_store_connector``
+(vLLM's, on a ``mooncake_master`` started here), ``kvflow_mooncake`` (kvflow on the same
+master, default settings).
 """
 
 from __future__ import annotations
@@ -78,12 +80,12 @@ def row_config(row: str, work: str, master: str) -> tuple[dict[str, Any], dict[s
     connector = None
     pool = {"socket": f"{work}/{row}.sock", "capacity": "2GiB"}  # a pool of the row's own
     kvflow = {"chunk_blocks": 1, "shared": pool}
-    if row == "kvflow_layerwise":
-        connector = {**kvflow, "copy_cpus": [os.cpu_count() - 1 if os.cpu_count() else 0]}
-    elif row == "kvflow_floating":
+    if row == "kvflow_layerwise":  # copy_cpus "auto": the core vLLM did not bind the model to
         connector = kvflow
-    elif row == "kvflow_two_threads":  # two layers copied at once, on either core
-        connector = {**kvflow, "copy_threads": 2, "prefetch_layers": 4}
+    elif row == "kvflow_floating":  # the copy thread inherits the model thread's core
+        connector = {**kvflow, "copy_cpus": []}
+    elif row == "kvflow_two_threads":  # two layers copied at once, beside the model
+        connector = {**kvflow, "copy_threads": 2, "prefetch_layers": 4, "copy_cpus": []}
     elif row == "kvflow_non_layerwise":
         connector = {**kvflow, "use_layerwise": False}
     elif row == "kvflow_mooncake":

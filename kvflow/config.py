@@ -21,6 +21,7 @@ __all__ = [
     "EngineConfig",
     "from_dict",
     "parse_size",
+    "spare_cpus",
 ]
 
 DEFAULT_CHUNK_BLOCKS = 4
@@ -182,11 +183,34 @@ def _available_cpus() -> set[int]:
         cpus = set(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux: no pinning check possible
         return set()
+    return cpus | _cpu_list_file("/sys/devices/system/cpu/online")
+
+
+def spare_cpus() -> tuple[int, ...]:
+    """The CPUs this process may use that the calling thread is not bound to: where an
+    inference server bound its model's thread to some cores (vLLM's CPU worker does), the
+    others, for the copy threads. Empty where the thread may run on every CPU (nothing to
+    keep off) or off Linux. The cgroup's cpuset, where readable, limits the candidates."""
     try:
-        with open("/sys/devices/system/cpu/online") as f:
-            for part in f.read().strip().split(","):
-                lo, _, hi = part.partition("-")
-                cpus.update(range(int(lo), int(hi or lo) + 1))
+        own = set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return ()
+    usable = _cpu_list_file("/sys/devices/system/cpu/online")
+    cgroup = _cpu_list_file("/sys/fs/cgroup/cpuset.cpus.effective")
+    if cgroup:
+        usable &= cgroup
+    return tuple(sorted(usable - own))
+
+
+def _cpu_list_file(path: str) -> set[int]:
+    """A kernel CPU list file ("0-3,8"); empty when missing or unreadable."""
+    cpus: set[int] = set()
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
     except (OSError, ValueError):
-        pass
+        return set()
     return cpus

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pathlib
 
 import pytest
 
 from kvflow import ConfigError, EngineConfig, InvalidArgumentError, parse_size
-from kvflow.config import DEFAULT_MAX_TRANSFER_BYTES
+from kvflow.config import DEFAULT_MAX_TRANSFER_BYTES, _cpu_list_file, spare_cpus
 
 # -- parse_size -------------------------------------------------------------------------------
 
@@ -292,3 +293,43 @@ def test_from_dict_validates_values_naming_the_field() -> None:
         EngineConfig.from_dict({"save_backlog": 0})
 
     assert info.value.argument == "save_backlog"
+
+
+# -- spare_cpus: the CPUs a bound model thread leaves for the copy threads -------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0-3,8", {0, 1, 2, 3, 8}), ("5", {5}), ("0-1\n", {0, 1}), ("", set()), ("x-1", set())],
+)
+def test_cpu_list_file(tmp_path: pathlib.Path, text: str, expected: set[int]) -> None:
+    path = tmp_path / "cpus"
+    path.write_text(text)
+
+    assert _cpu_list_file(str(path)) == expected
+    assert _cpu_list_file(str(tmp_path / "missing")) == set()
+
+
+def test_spare_cpus_are_those_outside_the_threads_affinity() -> None:
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("needs two CPUs")
+    bound = {min(before)}
+    os.sched_setaffinity(0, bound)
+    try:
+        spare = spare_cpus()
+    finally:
+        os.sched_setaffinity(0, before)
+
+    assert spare == tuple(sorted(spare))
+    assert not bound & set(spare)
+    assert set(before) - bound <= set(spare)  # every CPU the process had, but the bound one
+    assert EngineConfig(copy_cpus=spare).copy_cpus == spare  # usable as copy_cpus
+
+
+def test_spare_cpus_empty_when_the_thread_may_run_on_every_cpu() -> None:
+    online = _cpu_list_file("/sys/devices/system/cpu/online")
+    if not online or not os.sched_getaffinity(0) >= online:
+        pytest.skip("this process is bound to some CPUs already")
+
+    assert spare_cpus() == ()

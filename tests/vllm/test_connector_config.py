@@ -1,10 +1,11 @@
 """ConnectorConfig, the vLLM connector's ``kv_connector_extra_config``, without vLLM.
 
 What is tested: the defaults; unknown keys refused with the known ones listed; every bad value
-refused with a ConfigError naming its field; ``copy_cpus`` normalised to a tuple; the automatic
-chunk size; ``engine_config`` carrying the connector's engine fields; the shared pool's
-``auto_start`` default and override; Mooncake settings from keys or the environment, and the
-scheduler's pure-client variant (no segment).
+refused with a ConfigError naming its field; ``copy_cpus`` normalised to a tuple, and
+``"auto"`` resolved on the model's thread (the CPUs it is not bound to; none for accelerator
+caches); the automatic chunk size; ``engine_config`` carrying the connector's engine fields;
+the shared pool's ``auto_start`` default and override; Mooncake settings from keys or the
+environment, and the scheduler's pure-client variant (no segment).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import kvflow.config
 from kvflow import ConfigError, EngineConfig
 from kvflow.integrations.vllm.config import ConnectorConfig
 
@@ -57,7 +59,7 @@ def test_defaults(extra: dict[str, Any] | None) -> None:
     assert config.save is True
     assert config.load is True
     assert config.local_capacity == 4 << 30
-    assert config.copy_cpus == ()
+    assert config.copy_cpus == "auto"
     assert config.lookup_timeout_s == 2.0
     assert config.model == ""
     assert config.debug_corrupt_loads is False
@@ -194,6 +196,52 @@ def test_copy_cpus_list_becomes_a_tuple() -> None:
     assert config.copy_cpus == (cpu,)
     assert isinstance(config.copy_cpus, tuple)
     assert ConnectorConfig(copy_cpus=[cpu]).copy_cpus == (cpu,)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def bound_to_cpu0() -> Any:
+    """The calling thread bound to CPU 0 only, as vLLM's CPU worker binds its model thread."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_auto_copy_cpus_are_the_cores_the_model_thread_is_not_bound_to(bound_to_cpu0: Any) -> None:
+    config = ConnectorConfig()
+
+    cpus = config.copy_cpus_here("cpu")
+
+    assert cpus == kvflow.config.spare_cpus()
+    assert cpus and 0 not in cpus
+    assert config.engine_config(block_size=16, model="m").copy_cpus == cpus
+    assert config.engine_config(block_size=16, model="m", copy_cpus=cpus).copy_cpus == cpus
+
+
+def test_auto_copy_cpus_pin_nothing_for_accelerator_caches(bound_to_cpu0: Any) -> None:
+    assert ConnectorConfig().copy_cpus_here("cuda:0") == ()
+    assert ConnectorConfig().copy_cpus_here("npu") == ()
+
+
+def test_auto_copy_cpus_pin_nothing_where_the_thread_may_run_anywhere() -> None:
+    before = os.sched_getaffinity(0)
+    online = kvflow.config._cpu_list_file("/sys/devices/system/cpu/online")
+    if not online or not before >= online:
+        pytest.skip("this process is bound to some CPUs already")
+
+    assert ConnectorConfig().copy_cpus_here("cpu") == ()
+
+
+def test_explicit_copy_cpus_win_over_auto(bound_to_cpu0: Any) -> None:
+    """``[]``: no pinning, the copy threads inherit the model thread's core; a list: that."""
+    assert ConnectorConfig(copy_cpus=[]).copy_cpus_here("cpu") == ()  # type: ignore[arg-type]
+    assert ConnectorConfig(copy_cpus=[0]).copy_cpus_here("cpu") == (0,)  # type: ignore[arg-type]
+    none = ConnectorConfig.from_extra_config({"copy_cpus": []})
+    assert none.engine_config(block_size=16, model="m").copy_cpus == ()
 
 
 # -- derived configs --------------------------------------------------------------------------

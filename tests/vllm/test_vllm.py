@@ -71,6 +71,7 @@ def test_out_of_the_box_cold_then_warm(
     assert tokens(cold) == [baseline["A"], baseline["C"]]
     assert "kvflow: scheduler connector on the shared pool" in cold["log"]
     assert "kvflow: worker connector on the shared pool" in cold["log"]
+    assert "kvflow: worker copy threads " in cold["log"]  # where they run, "auto" resolved
 
     warm = vllm([A, B, C], extra={}, env=env)  # default chunks: 256 tokens = 8 blocks
     assert cached(warm) == [256, 0, 0]

@@ -18,6 +18,7 @@ from kvflow.config import (
     _positive_float,
     from_dict,
     parse_size,
+    spare_cpus,
 )
 from kvflow.devices import device_kind
 from kvflow.errors import ConfigError
@@ -28,6 +29,7 @@ from kvflow.stores.shared_config import SharedStoreConfig
 __all__ = ["STORES", "ConnectorConfig"]
 
 STORES = ("shared", "mooncake", "memcache", "local")
+AUTO = "auto"
 DEFAULT_CHUNK_TOKENS = 256
 
 
@@ -53,8 +55,14 @@ class ConnectorConfig:
         use_layerwise: load layer by layer while the model computes (true), or load every layer
             before the forward (false: the comparison point).
         save: store newly computed prompt chunks; load: look up and load them.
-        prefetch_layers, save_backlog, copy_threads, copy_cpus, op_timeout_s, copy_timeout_s:
-            the TransferEngine's (``EngineConfig``).
+        prefetch_layers, save_backlog, copy_threads, op_timeout_s, copy_timeout_s: the
+            TransferEngine's (``EngineConfig``).
+        copy_cpus: CPUs the copy threads (and a worker's Mooncake client threads) are pinned
+            to; ``"auto"`` (the default): with KV caches in host memory, the CPUs the worker's
+            model thread is not bound to (``kvflow.config.spare_cpus``; vLLM's CPU worker
+            binds it to its compute cores), no pinning where it is bound to none or the
+            caches are on an accelerator; ``[]``: no pinning (the threads inherit the model
+            thread's affinity, its cores included).
         lookup_timeout_s: the scheduler's pool lookup may take this long; then it is a miss.
         model: the keys' model name (default: vLLM's served model name).
         debug_corrupt_loads: a test hook: overwrite every loaded block with garbage after the
@@ -75,7 +83,7 @@ class ConnectorConfig:
     prefetch_layers: int = DEFAULT_PREFETCH_LAYERS
     save_backlog: int = DEFAULT_SAVE_BACKLOG
     copy_threads: int = 1
-    copy_cpus: tuple[int, ...] = ()
+    copy_cpus: tuple[int, ...] | str = AUTO
     op_timeout_s: float = DEFAULT_OP_TIMEOUT_S
     copy_timeout_s: float = DEFAULT_COPY_TIMEOUT_S
     lookup_timeout_s: float = 2.0
@@ -98,9 +106,10 @@ class ConnectorConfig:
         if not isinstance(self.model, str):
             raise ConfigError("model", self.model, "must be a string")
         cpus: object = self.copy_cpus
-        if isinstance(cpus, (str, bytes)) or not isinstance(cpus, (list, tuple)):
-            raise ConfigError("copy_cpus", cpus, "expected a list of CPU numbers")
-        object.__setattr__(self, "copy_cpus", tuple(cpus))
+        if cpus != AUTO:
+            if isinstance(cpus, (str, bytes)) or not isinstance(cpus, (list, tuple)):
+                raise ConfigError("copy_cpus", cpus, 'expected a list of CPU numbers or "auto"')
+            object.__setattr__(self, "copy_cpus", tuple(cpus))
         object.__setattr__(
             self, "local_capacity", parse_size(self.local_capacity, argument="local_capacity")
         )
@@ -123,7 +132,27 @@ class ConnectorConfig:
     def chunk_blocks_for(self, block_size: int) -> int:
         return self.chunk_blocks or max(1, DEFAULT_CHUNK_TOKENS // block_size)
 
-    def engine_config(self, *, block_size: int, model: str, rank: int = 0) -> EngineConfig:
+    def copy_cpus_here(self, device: str = "cpu") -> tuple[int, ...]:
+        """The copy CPUs for a worker whose model runs on the calling thread, with its KV
+        caches on ``device``: the configured ones, or with ``"auto"`` and CPU caches the CPUs
+        that thread is not bound to (an accelerator's copies are DMA the thread only issues:
+        no pinning, which could put them on another NUMA node than the pinned memory)."""
+        if not isinstance(self.copy_cpus, str):  # a list, normalised: not "auto"
+            return self.copy_cpus
+        return spare_cpus() if device_kind(device) == "cpu" else ()
+
+    def engine_config(
+        self,
+        *,
+        block_size: int,
+        model: str,
+        rank: int = 0,
+        copy_cpus: tuple[int, ...] | None = None,
+    ) -> EngineConfig:
+        """The engine's settings; ``copy_cpus`` as the worker resolved them (default:
+        ``copy_cpus_here()`` on the calling thread)."""
+        if copy_cpus is None:
+            copy_cpus = self.copy_cpus_here()
         return EngineConfig(
             model=self.model or model,
             rank=rank,
@@ -131,7 +160,7 @@ class ConnectorConfig:
             prefetch_layers=self.prefetch_layers,
             save_backlog=self.save_backlog,
             copy_threads=self.copy_threads,
-            copy_cpus=self.copy_cpus,
+            copy_cpus=copy_cpus,
             op_timeout_s=self.op_timeout_s,
             copy_timeout_s=self.copy_timeout_s,
         )

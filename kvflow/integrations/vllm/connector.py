@@ -207,7 +207,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         kind = self.config.store
         # Mooncake's client moves bytes on threads of its own: a worker's run on the copy CPUs
         # (the shared pool's server, which a store may start, is not pinned to one worker's)
-        cpus = self.config.copy_cpus if kind == "mooncake" and not scheduler else ()
+        cpus = self._copy_cpus if kind == "mooncake" and not scheduler else ()
         try:
             store = call_pinned(
                 cpus,
@@ -317,6 +317,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._rank = 0
         self._saves_here = True
+        self._copy_cpus: tuple[int, ...] = ()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -334,11 +335,19 @@ class KVFlowConnector(KVConnectorBase_V1):
                 f"vLLM's cache spec says {page}: kvflow does not know this layout",
             )
         self._layer_index = {name: i for i, name in enumerate(names)}
+        self._copy_cpus = self.config.copy_cpus_here(layout.device)  # on the model's thread
+        log.info(
+            "kvflow: worker copy threads %s",
+            f"pinned to CPUs {list(self._copy_cpus)}" if self._copy_cpus else "not pinned",
+        )
         self._store = self._open_store(scheduler=False, device=layout.device)
         if self._store is None:
             return
         engine_config = self.config.engine_config(
-            block_size=self._block_size, model=self._model, rank=self._rank
+            block_size=self._block_size,
+            model=self._model,
+            rank=self._rank,
+            copy_cpus=self._copy_cpus,
         )
         self._engine = SyncTransferEngine(
             layout, self._store, engine_config, keyspace=self._keyspace(self._rank)
