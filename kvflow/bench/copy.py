@@ -52,7 +52,7 @@ from kvflow.devices import CudaDevice
 from kvflow.pipeline.addrgen import LayerRanges
 from kvflow.pipeline.executor import PinnedExecutor
 from kvflow.stores.base import Direction, Store
-from kvflow.stores.copyloop import NATIVE, STREAM_MIN_BYTES
+from kvflow.stores.copyloop import NATIVE, stream_min_bytes
 
 __all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 
@@ -245,7 +245,11 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         f"{fmt_bytes(total)} per copy, best of {repeats}, chunk_blocks="
         f"{CHUNK_BLOCKS}; pinned CPUs per thread count { {n: list(c) for n, c in pins.items()} }; "
         + (
-            f"the native loop streams ranges >= {fmt_bytes(STREAM_MIN_BYTES)}"
+            (
+                f"the native loop streams ranges >= {fmt_bytes(stream_min_bytes())}"
+                if stream_min_bytes()
+                else "the native loop copies with memcpy (streaming measured slower here)"
+            )
             if NATIVE
             else "the native loop is not built"
         ),
@@ -270,7 +274,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "chunk_blocks": CHUNK_BLOCKS,
         "timer": "perf_counter (wall clock)",
         "native_loop_built": NATIVE,
-        "stream_min_bytes": STREAM_MIN_BYTES,
+        "stream_min_bytes": stream_min_bytes(),
         "pinned_cpus": {str(n): list(c) for n, c in pins.items()},
         "loadavg_start": loadavg,
         "rows": rows,

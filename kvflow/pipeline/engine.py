@@ -35,6 +35,7 @@ from kvflow.pipeline.waits import future_within
 from kvflow.results import ChunkStatus, TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores.base import ReadSession, Store, WriteSession, WriteStatus
+from kvflow.stores.copyloop import stream_min_bytes
 
 __all__ = ["Request", "TransferEngine"]
 
@@ -84,6 +85,8 @@ class TransferEngine:
                 f"{type(store).__name__} copies {'/'.join(sorted(store.device_memory))} memory "
                 "only (Store.device_memory)",
             )
+        if device_kind(layout.device) == "cpu":  # the host copy loop's choice, made now
+            stream_min_bytes()  # (once per process) rather than in the first load
         self._stats = EngineStats(num_layers=layout.num_layers)
         self._handles: set[BatchTransfer] = set()
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -1,9 +1,13 @@
 """Copying a batch of address ranges: one native call, or a Python loop of memmoves.
 
 The native loop (``kvflow._native``, built at install when a C compiler is present) copies a
-whole batch in one call without the GIL, and uses non-temporal stores for ranges of at least
-``STREAM_MIN_BYTES`` on x86-64, which glibc's memcpy does only for copies of tens of MiB. The
-fallback calls ``ctypes.memmove`` per range (about 1 us each, GIL released per call). Setting
+whole batch in one call without the GIL. On x86-64 it can copy ranges of at least
+``STREAM_MIN_BYTES`` with non-temporal stores, which glibc's memcpy does only for copies of
+tens of MiB: on the Xeons measured that took per-range copies from ~58 % of one big memcpy to
+95-105 %, but on an AMD EPYC VM streaming ran at 2.6 GB/s against memcpy's 8.5. So whether it
+streams is measured once per process (``stream_min_bytes``, ~30 ms, at the first engine or
+first native copy); ``KVFLOW_STREAM_COPY=1`` or ``0`` decides it instead. The fallback calls
+``ctypes.memmove`` per range (about 1 us each, GIL released per call). Setting
 ``KVFLOW_NATIVE_COPY=0`` in the environment forces the fallback.
 
 Device memory: a thread that copies for KV caches on a GPU first installs a *mover* with
@@ -34,6 +38,7 @@ __all__ = [
     "copy_ranges",
     "issue_ranges",
     "moving_with",
+    "stream_min_bytes",
 ]
 
 STREAM_MIN_BYTES = 16 << 10
@@ -47,9 +52,11 @@ try:
 
     _native, _native_async = _module.batch_copy, _module.batch_copy_async
     HOST_MEMCPY_ASYNC: int = _module.HOST_MEMCPY_ASYNC
+    _STREAMING = bool(_module.STREAMING)
 except ImportError:  # built without a compiler: the Python loops serve
     _native = _native_async = None
     HOST_MEMCPY_ASYNC = 0
+    _STREAMING = False
 if os.environ.get("KVFLOW_NATIVE_COPY", "1") == "0":
     _native = _native_async = None
 
@@ -60,6 +67,8 @@ MemcpyAsyncFn = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
 )
 _thread = threading.local()
+_stream_min: int | None = None  # measured once: see stream_min_bytes
+_measuring = threading.Lock()
 
 
 @contextmanager
@@ -73,13 +82,70 @@ def moving_with(mover: Mover) -> Iterator[None]:
         _thread.mover = outer
 
 
+def stream_min_bytes() -> int:
+    """The smallest range the native loop copies with non-temporal stores; 0: it never
+    streams. Decided once per process: by ``KVFLOW_STREAM_COPY`` (``1``: stream ranges of
+    ``STREAM_MIN_BYTES`` and more, ``0``: never) or, by default, by timing both ways on
+    64 MiB buffers (streaming is kept only where it is faster)."""
+    global _stream_min
+    if _stream_min is None:
+        with _measuring:
+            if _stream_min is None:
+                _stream_min = _choose_stream_min()
+    return _stream_min
+
+
+def _choose_stream_min() -> int:
+    setting = os.environ.get("KVFLOW_STREAM_COPY", "auto")
+    if _native is None or not _STREAMING or setting == "0":
+        return 0
+    if setting == "1":
+        return STREAM_MIN_BYTES
+    streamed, plain = _time_both()
+    return STREAM_MIN_BYTES if streamed < plain else 0
+
+
+def _time_both(total: int = 64 << 20, piece: int = 8 << 20, rounds: int = 4) -> tuple[float, ...]:
+    """Best seconds to copy ``piece`` bytes as 256 KiB ranges (the size of a typical chunk's
+    layer part), streamed and with memcpy, alternating over slices of ``total``-byte buffers so
+    that neither finds its bytes in the caches."""
+    import time
+
+    assert _native is not None
+    src = np.ones(total, dtype=np.uint8)  # touched: no page faults in the timing
+    dst = np.zeros(total, dtype=np.uint8)
+    step = 256 << 10
+    offsets = np.arange(piece // step, dtype=np.int64) * step
+    sizes = np.full(offsets.size, step, dtype=np.int64)
+    slices = total // piece
+    best = [float("inf"), float("inf")]
+    for i in range(rounds * 2):
+        base = (i * 3 % slices) * piece
+        which = i % 2
+        start = time.perf_counter()
+        _native(
+            dst.ctypes.data + base + offsets,
+            src.ctypes.data + base + offsets,
+            sizes,
+            STREAM_MIN_BYTES if which == 0 else 0,
+        )
+        best[which] = min(best[which], time.perf_counter() - start)
+    return best[0], best[1]
+
+
 def copy_ranges(
-    dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, *, native: bool = NATIVE
+    dst: np.ndarray,
+    src: np.ndarray,
+    sizes: np.ndarray,
+    *,
+    native: bool = NATIVE,
+    stream_min: int | None = None,
 ) -> None:
     """Copy ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` for every i (int64 arrays).
 
     The caller guarantees that every range is valid memory and that no two ranges overlap.
-    Inside ``moving_with(mover)`` the thread's mover moves them instead.
+    Inside ``moving_with(mover)`` the thread's mover moves them instead. ``stream_min``: the
+    native loop's streaming threshold (default ``stream_min_bytes()``; 0: never stream).
     """
     mover = getattr(_thread, "mover", None)
     if mover is not None:
@@ -90,7 +156,7 @@ def copy_ranges(
             np.ascontiguousarray(dst, dtype=np.int64),
             np.ascontiguousarray(src, dtype=np.int64),
             np.ascontiguousarray(sizes, dtype=np.int64),
-            STREAM_MIN_BYTES,
+            stream_min_bytes() if stream_min is None else stream_min,
         )
         return
     for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from kvflow.stores import copyloop
 
-PATHS = [pytest.param(False, id="python")]
-if copyloop.NATIVE:
-    PATHS.append(pytest.param(True, id="native"))
+PATHS = [pytest.param((False, None), id="python")]
+if copyloop.NATIVE:  # both ways the native loop can copy, whatever this machine chose
+    PATHS.append(pytest.param((True, copyloop.STREAM_MIN_BYTES), id="native-streamed"))
+    PATHS.append(pytest.param((True, 0), id="native-memcpy"))
 
 
 @pytest.mark.skipif(
@@ -34,6 +35,7 @@ def test_native_loop_is_built_where_a_compiler_is() -> None:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_copy_ranges_moves_exactly_the_ranges(native, sizes, src_skew, dst_skew, seed) -> None:
+    native, stream_min = native
     rng = np.random.default_rng(seed)
     total = sum(sizes) + 64 * len(sizes) + 128
     src = rng.integers(0, 256, total, dtype=np.uint8)
@@ -58,5 +60,49 @@ def test_copy_ranges_moves_exactly_the_ranges(native, sizes, src_skew, dst_skew,
         src.ctypes.data + np.array(srcs, dtype=np.int64),
         np.array(sizes, dtype=np.int64),
         native=native,
+        stream_min=stream_min,
     )
     assert np.array_equal(dst, want)
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The process's streaming choice forgotten, so that the test makes it again."""
+    monkeypatch.setattr(copyloop, "_stream_min", None)
+    monkeypatch.delenv("KVFLOW_STREAM_COPY", raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("1", copyloop.STREAM_MIN_BYTES), ("0", 0)])
+def test_the_environment_decides_streaming(
+    fresh_choice: pytest.MonkeyPatch, setting: str, expected: int
+) -> None:
+    if not copyloop.NATIVE or not copyloop._STREAMING:
+        expected = 0  # nothing can stream without the native loop's x86-64 build
+    fresh_choice.setenv("KVFLOW_STREAM_COPY", setting)
+    fresh_choice.setattr(copyloop, "_time_both", lambda: pytest.fail("measured anyway"))
+
+    assert copyloop.stream_min_bytes() == expected
+
+
+@pytest.mark.parametrize(
+    ("times", "expected"), [((1.0, 2.0), copyloop.STREAM_MIN_BYTES), ((2.0, 1.0), 0)]
+)
+def test_by_default_the_faster_way_is_kept(
+    fresh_choice: pytest.MonkeyPatch, times: tuple[float, float], expected: int
+) -> None:
+    if not copyloop.NATIVE or not copyloop._STREAMING:
+        pytest.skip("the native loop cannot stream here")
+    calls = []
+    fresh_choice.setattr(copyloop, "_time_both", lambda: calls.append(1) or times)
+
+    assert copyloop.stream_min_bytes() == expected
+    assert copyloop.stream_min_bytes() == expected
+    assert calls == [1]  # measured once per process
+
+
+@pytest.mark.skipif(not copyloop.NATIVE, reason="the native loop is not built")
+def test_timing_both_ways_copies_real_bytes() -> None:
+    streamed, plain = copyloop._time_both(total=4 << 20, piece=1 << 20, rounds=1)
+
+    assert 0 < streamed < 1 and 0 < plain < 1
