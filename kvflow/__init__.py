@@ -13,7 +13,7 @@ async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(model="m")) 
     result = await handle.wait()
 """
 
-from kvflow.config import EngineConfig, parse_size
+from kvflow.config import EngineConfig, parse_size, spare_cpus
 from kvflow.devices import CpuDevice, CudaDevice, DeviceOps, StreamDevice, device_ops
 from kvflow.errors import (
     ClosedError,
@@ -120,4 +120,5 @@ __all__ = [
     "chunk_hashes",
     "device_ops",
     "parse_size",
+    "spare_cpus",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import re
@@ -187,19 +188,62 @@ def _available_cpus() -> set[int]:
 
 
 def spare_cpus() -> tuple[int, ...]:
-    """The CPUs this process may use that the calling thread is not bound to: where an
-    inference server bound its model's thread to some cores (vLLM's CPU worker does), the
-    others, for the copy threads. Empty where the thread may run on every CPU (nothing to
-    keep off) or off Linux. The cgroup's cpuset, where readable, limits the candidates."""
+    """CPUs for copy threads beside a model whose threads an inference server bound to some
+    cores (vLLM's CPU worker binds each of its OpenMP threads to one): the CPUs of the parent
+    process's affinity (the server's own set, a ``taskset`` included) that no thread of this
+    process is bound to, online, in this process's cgroup and on the NUMA nodes of the bound
+    ones. Empty where no thread is bound to fewer CPUs (nothing to keep off), where none is
+    left, or off Linux. Reads ``/proc`` and ``/sys`` (a few files per thread)."""
     try:
-        own = set(os.sched_getaffinity(0))
+        parent = set(os.sched_getaffinity(os.getppid()))
+        tids = os.listdir("/proc/self/task")
     except (AttributeError, OSError):
         return ()
-    usable = _cpu_list_file("/sys/devices/system/cpu/online")
-    cgroup = _cpu_list_file("/sys/fs/cgroup/cpuset.cpus.effective")
-    if cgroup:
-        usable &= cgroup
-    return tuple(sorted(usable - own))
+    threads = []
+    for tid in tids:
+        try:
+            threads.append(set(os.sched_getaffinity(int(tid))))
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            continue
+    nodes = [_cpu_list_file(path) for path in glob.glob("/sys/devices/system/node/node*/cpulist")]
+    return _spare(
+        parent, threads, _cpu_list_file("/sys/devices/system/cpu/online"), _cgroup_cpus(), nodes
+    )
+
+
+def _spare(
+    allowed: set[int],
+    threads: list[set[int]],
+    online: set[int],
+    cgroup: set[int],
+    nodes: list[set[int]],
+) -> tuple[int, ...]:
+    """``spare_cpus`` on given sets (empty ``online``/``cgroup``/``nodes``: unknown, no limit)."""
+    candidates = set(allowed)
+    for limit in (online, cgroup):
+        if limit:
+            candidates &= limit
+    bound: set[int] = set().union(*(t for t in threads if not t >= candidates))
+    if not bound:
+        return ()
+    spare = candidates - bound
+    if nodes:
+        spare &= set().union(*(n for n in nodes if n & bound))
+    return tuple(sorted(spare))
+
+
+def _cgroup_cpus() -> set[int]:
+    """The CPUs of this process's cgroup (v2 ``cpuset.cpus.effective``); empty if unknown."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    for line in lines:
+        if line.startswith("0::"):
+            path = line[3:].strip("/")
+            return _cpu_list_file(os.path.join("/sys/fs/cgroup", path, "cpuset.cpus.effective"))
+    return set()
 
 
 def _cpu_list_file(path: str) -> set[int]:

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from kvflow import ConfigError, EngineConfig, InvalidArgumentError, parse_size
-from kvflow.config import DEFAULT_MAX_TRANSFER_BYTES, _cpu_list_file, spare_cpus
+from kvflow.config import DEFAULT_MAX_TRANSFER_BYTES, _cpu_list_file, _spare, spare_cpus
 
 # -- parse_size -------------------------------------------------------------------------------
 
@@ -310,26 +310,50 @@ def test_cpu_list_file(tmp_path: pathlib.Path, text: str, expected: set[int]) ->
     assert _cpu_list_file(str(tmp_path / "missing")) == set()
 
 
-def test_spare_cpus_are_those_outside_the_threads_affinity() -> None:
+@pytest.mark.parametrize(
+    ("allowed", "threads", "online", "cgroup", "nodes", "expected"),
+    [
+        # vLLM's CPU worker on 2 cores: its threads on core 0, core 1 reserved
+        ({0, 1}, [{0}, {0}], {0, 1}, set(), [], (1,)),
+        # one OpenMP thread per compute core: all of them kept off, the reserved ones left
+        ({0, 1, 2, 3}, [{0}, {1}, {2}, {0}], {0, 1, 2, 3}, set(), [], (3,)),
+        # nothing bound (a GPU worker): no pinning
+        ({0, 1, 2, 3}, [{0, 1, 2, 3}], {0, 1, 2, 3}, set(), [], ()),
+        # every CPU taken by the model: no pinning
+        ({0, 1}, [{0}, {1}], {0, 1}, set(), [], ()),
+        # a thread on a wider set than the server's own counts as unbound
+        ({0, 1, 2}, [{0}, {0, 1, 2, 3}], {0, 1, 2, 3}, set(), [], (1, 2)),
+        # the cgroup and the online CPUs limit the candidates
+        ({0, 1, 2, 3}, [{0}], {0, 1, 2}, {0, 1}, [], (1,)),
+        # only the NUMA node of the bound cores
+        ({0, 1, 2, 3}, [{0}], {0, 1, 2, 3}, set(), [{0, 1}, {2, 3}], (1,)),
+        ({0, 2, 3}, [{0}], {0, 1, 2, 3}, set(), [{0, 1}, {2, 3}], ()),
+    ],
+)
+def test_spare(
+    allowed: set[int],
+    threads: list[set[int]],
+    online: set[int],
+    cgroup: set[int],
+    nodes: list[set[int]],
+    expected: tuple[int, ...],
+) -> None:
+    assert _spare(allowed, threads, online, cgroup, nodes) == expected
+
+
+def test_spare_cpus_leave_out_a_bound_thread_of_this_process() -> None:
+    """The live reading: a thread of this process bound to one CPU, as vLLM binds its model
+    thread; the spare CPUs never include it and are usable as copy_cpus."""
     before = os.sched_getaffinity(0)
     if len(before) < 2:
         pytest.skip("needs two CPUs")
-    bound = {min(before)}
-    os.sched_setaffinity(0, bound)
+    bound = min(before)
+    os.sched_setaffinity(0, {bound})
     try:
         spare = spare_cpus()
     finally:
         os.sched_setaffinity(0, before)
 
     assert spare == tuple(sorted(spare))
-    assert not bound & set(spare)
-    assert set(before) - bound <= set(spare)  # every CPU the process had, but the bound one
-    assert EngineConfig(copy_cpus=spare).copy_cpus == spare  # usable as copy_cpus
-
-
-def test_spare_cpus_empty_when_the_thread_may_run_on_every_cpu() -> None:
-    online = _cpu_list_file("/sys/devices/system/cpu/online")
-    if not online or not os.sched_getaffinity(0) >= online:
-        pytest.skip("this process is bound to some CPUs already")
-
-    assert spare_cpus() == ()
+    assert bound not in spare
+    assert EngineConfig(copy_cpus=spare).copy_cpus == spare

@@ -248,7 +248,8 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             (
                 f"the native loop streams ranges >= {fmt_bytes(stream_min_bytes())}"
                 if stream_min_bytes()
-                else "the native loop copies with memcpy (streaming measured slower here)"
+                else "the native loop copies with memcpy (streaming slower here, turned off "
+                "by KVFLOW_STREAM_COPY=0, or not built)"
             )
             if NATIVE
             else "the native loop is not built"

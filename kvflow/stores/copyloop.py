@@ -5,10 +5,10 @@ whole batch in one call without the GIL. On x86-64 it can copy ranges of at leas
 ``STREAM_MIN_BYTES`` with non-temporal stores, which glibc's memcpy does only for copies of
 tens of MiB: on the Xeons measured that took per-range copies from ~58 % of one big memcpy to
 95-105 %, but on an AMD EPYC VM streaming ran at 2.6 GB/s against memcpy's 8.5. So whether it
-streams is measured once per process (``stream_min_bytes``, ~30 ms, at the first engine or
-first native copy); ``KVFLOW_STREAM_COPY=1`` or ``0`` decides it instead. The fallback calls
-``ctypes.memmove`` per range (about 1 us each, GIL released per call). Setting
-``KVFLOW_NATIVE_COPY=0`` in the environment forces the fallback.
+streams is measured once per process (``stream_min_bytes``, ~50 ms, at the start of the first
+engine on host memory, or else at the first native copy); ``KVFLOW_STREAM_COPY=1`` or ``0``
+decides it instead. The fallback calls ``ctypes.memmove`` per range (about 1 us each, GIL
+released per call). Setting ``KVFLOW_NATIVE_COPY=0`` in the environment forces the fallback.
 
 Device memory: a thread that copies for KV caches on a GPU first installs a *mover* with
 ``moving_with`` (``kvflow.devices.CudaDevice`` does, around a store's ``batch_copy``); the host
@@ -23,11 +23,14 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+
+from kvflow.errors import ConfigError
 
 __all__ = [
     "HOST_MEMCPY_ASYNC",
@@ -42,6 +45,7 @@ __all__ = [
 ]
 
 STREAM_MIN_BYTES = 16 << 10
+STREAM_ENV = "KVFLOW_STREAM_COPY"
 
 Mover = Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # (dst, src, sizes)
 
@@ -84,9 +88,10 @@ def moving_with(mover: Mover) -> Iterator[None]:
 
 def stream_min_bytes() -> int:
     """The smallest range the native loop copies with non-temporal stores; 0: it never
-    streams. Decided once per process: by ``KVFLOW_STREAM_COPY`` (``1``: stream ranges of
-    ``STREAM_MIN_BYTES`` and more, ``0``: never) or, by default, by timing both ways on
-    64 MiB buffers (streaming is kept only where it is faster)."""
+    streams. Decided once per process, thread-safe: by ``KVFLOW_STREAM_COPY`` (``1``: stream
+    ranges of ``STREAM_MIN_BYTES`` and more, ``0``: never, ``auto``: the default) or by timing
+    both ways. The first call that times blocks ~50 ms and touches 128 MiB for that (the first
+    engine on host memory makes it, at its start); later calls return at once."""
     global _stream_min
     if _stream_min is None:
         with _measuring:
@@ -96,7 +101,9 @@ def stream_min_bytes() -> int:
 
 
 def _choose_stream_min() -> int:
-    setting = os.environ.get("KVFLOW_STREAM_COPY", "auto")
+    setting = os.environ.get(STREAM_ENV, "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ConfigError(STREAM_ENV, setting, 'expected "auto", "0" or "1"')
     if _native is None or not _STREAMING or setting == "0":
         return 0
     if setting == "1":
@@ -105,32 +112,31 @@ def _choose_stream_min() -> int:
     return STREAM_MIN_BYTES if streamed < plain else 0
 
 
-def _time_both(total: int = 64 << 20, piece: int = 8 << 20, rounds: int = 4) -> tuple[float, ...]:
-    """Best seconds to copy ``piece`` bytes as 256 KiB ranges (the size of a typical chunk's
-    layer part), streamed and with memcpy, alternating over slices of ``total``-byte buffers so
-    that neither finds its bytes in the caches."""
-    import time
-
+def _time_both(total: int = 64 << 20, piece: int = 8 << 20, rounds: int = 4) -> tuple[float, float]:
+    """Median seconds to copy ``piece`` bytes as 256 KiB ranges (the size of a typical
+    chunk's layer part), streamed and with memcpy: each copy on a slice of ``total``-byte
+    buffers of its own (both touched first: no page faults in the timing), the two ways taking
+    turns at going first."""
     assert _native is not None
-    src = np.ones(total, dtype=np.uint8)  # touched: no page faults in the timing
-    dst = np.zeros(total, dtype=np.uint8)
+    src = np.ones(total, dtype=np.uint8)
+    dst = np.ones(total, dtype=np.uint8)
     step = 256 << 10
     offsets = np.arange(piece // step, dtype=np.int64) * step
     sizes = np.full(offsets.size, step, dtype=np.int64)
     slices = total // piece
-    best = [float("inf"), float("inf")]
+    times: tuple[list[float], list[float]] = ([], [])
     for i in range(rounds * 2):
-        base = (i * 3 % slices) * piece
-        which = i % 2
+        way = (i + i // 2) % 2  # 0 1, 1 0, 0 1, ...: streamed first in every other round
+        base = i % slices * piece
         start = time.perf_counter()
         _native(
             dst.ctypes.data + base + offsets,
             src.ctypes.data + base + offsets,
             sizes,
-            STREAM_MIN_BYTES if which == 0 else 0,
+            STREAM_MIN_BYTES if way == 0 else 0,
         )
-        best[which] = min(best[which], time.perf_counter() - start)
-    return best[0], best[1]
+        times[way].append(time.perf_counter() - start)
+    return float(np.median(times[0])), float(np.median(times[1]))
 
 
 def copy_ranges(

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvflow.errors import ConfigError
 from kvflow.stores import copyloop
 
 PATHS = [pytest.param((False, None), id="python")]
 if copyloop.NATIVE:  # both ways the native loop can copy, whatever this machine chose
-    PATHS.append(pytest.param((True, copyloop.STREAM_MIN_BYTES), id="native-streamed"))
     PATHS.append(pytest.param((True, 0), id="native-memcpy"))
+    if copyloop._STREAMING:
+        PATHS.append(pytest.param((True, copyloop.STREAM_MIN_BYTES), id="native-streamed"))
 
 
 @pytest.mark.skipif(
@@ -101,8 +105,49 @@ def test_by_default_the_faster_way_is_kept(
     assert calls == [1]  # measured once per process
 
 
+def test_a_bad_setting_is_refused_by_name(fresh_choice: pytest.MonkeyPatch) -> None:
+    fresh_choice.setenv("KVFLOW_STREAM_COPY", "yes")
+
+    with pytest.raises(ConfigError) as info:
+        copyloop.stream_min_bytes()
+
+    assert info.value.argument == "KVFLOW_STREAM_COPY"
+    assert "yes" in str(info.value)
+
+
+def test_threads_that_ask_at_once_measure_once(fresh_choice: pytest.MonkeyPatch) -> None:
+    if not copyloop.NATIVE or not copyloop._STREAMING:
+        pytest.skip("the native loop cannot stream here")
+    calls = []
+
+    def slow() -> tuple[float, float]:
+        calls.append(1)
+        time.sleep(0.05)
+        return 1.0, 2.0
+
+    fresh_choice.setattr(copyloop, "_time_both", slow)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: copyloop.stream_min_bytes(), range(8)))
+
+    assert answers == [copyloop.STREAM_MIN_BYTES] * 8
+    assert calls == [1]
+
+
 @pytest.mark.skipif(not copyloop.NATIVE, reason="the native loop is not built")
-def test_timing_both_ways_copies_real_bytes() -> None:
+def test_copy_ranges_uses_the_process_choice_by_default(fresh_choice: pytest.MonkeyPatch) -> None:
+    seen = []
+    fresh_choice.setattr(copyloop, "_stream_min", 12345)
+    fresh_choice.setattr(copyloop, "_native", lambda d, s, n, stream_min: seen.append(stream_min))
+    one = np.zeros(1, dtype=np.int64)
+
+    copyloop.copy_ranges(one, one, one)
+    copyloop.copy_ranges(one, one, one, stream_min=0)
+
+    assert seen == [12345, 0]
+
+
+@pytest.mark.skipif(not copyloop.NATIVE, reason="the native loop is not built")
+def test_timing_both_ways_gives_two_durations() -> None:
     streamed, plain = copyloop._time_both(total=4 << 20, piece=1 << 20, rounds=1)
 
     assert 0 < streamed < 1 and 0 < plain < 1

@@ -9,7 +9,9 @@ never the last prompt token: A loads 288 tokens, B 192 (the chunks it shares wit
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -71,7 +73,13 @@ def test_out_of_the_box_cold_then_warm(
     assert tokens(cold) == [baseline["A"], baseline["C"]]
     assert "kvflow: scheduler connector on the shared pool" in cold["log"]
     assert "kvflow: worker connector on the shared pool" in cold["log"]
-    assert "kvflow: worker copy threads " in cold["log"]  # where they run, "auto" resolved
+    # copy_cpus "auto": vLLM binds the model's threads and reserves a core, the copies go there
+    where = re.search(r"copy threads on CPUs (.+?), the model thread on (\[.*?\])", cold["log"])
+    assert where is not None
+    if (os.cpu_count() or 1) >= 2:
+        assert where[1] != "(not pinned)"
+        copy, model = json.loads(where[1]), json.loads(where[2])
+        assert copy and not set(copy) & set(model)
 
     warm = vllm([A, B, C], extra={}, env=env)  # default chunks: 256 tokens = 8 blocks
     assert cached(warm) == [256, 0, 0]

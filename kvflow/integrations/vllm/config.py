@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from kvflow.config import (
     DEFAULT_COPY_TIMEOUT_S,
@@ -26,10 +26,10 @@ from kvflow.stores.memcache_config import MemcacheConfig
 from kvflow.stores.mooncake_config import MooncakeConfig
 from kvflow.stores.shared_config import SharedStoreConfig
 
-__all__ = ["STORES", "ConnectorConfig"]
+__all__ = ["AUTO", "STORES", "ConnectorConfig"]
 
 STORES = ("shared", "mooncake", "memcache", "local")
-AUTO = "auto"
+AUTO: Literal["auto"] = "auto"
 DEFAULT_CHUNK_TOKENS = 256
 
 
@@ -58,11 +58,11 @@ class ConnectorConfig:
         prefetch_layers, save_backlog, copy_threads, op_timeout_s, copy_timeout_s: the
             TransferEngine's (``EngineConfig``).
         copy_cpus: CPUs the copy threads (and a worker's Mooncake client threads) are pinned
-            to; ``"auto"`` (the default): with KV caches in host memory, the CPUs the worker's
-            model thread is not bound to (``kvflow.config.spare_cpus``; vLLM's CPU worker
-            binds it to its compute cores), no pinning where it is bound to none or the
-            caches are on an accelerator; ``[]``: no pinning (the threads inherit the model
-            thread's affinity, its cores included).
+            to; ``"auto"`` (the default): with KV caches in host memory, the CPUs of vLLM's
+            own set that none of the worker's threads is bound to (``kvflow.spare_cpus``:
+            vLLM's CPU worker binds each compute thread to a core, and leaves the reserved
+            ones), no pinning where no thread is bound or the caches are on an accelerator;
+            ``[]``: no pinning (the threads inherit the model thread's affinity, its core).
         lookup_timeout_s: the scheduler's pool lookup may take this long; then it is a miss.
         model: the keys' model name (default: vLLM's served model name).
         debug_corrupt_loads: a test hook: overwrite every loaded block with garbage after the
@@ -83,7 +83,7 @@ class ConnectorConfig:
     prefetch_layers: int = DEFAULT_PREFETCH_LAYERS
     save_backlog: int = DEFAULT_SAVE_BACKLOG
     copy_threads: int = 1
-    copy_cpus: tuple[int, ...] | str = AUTO
+    copy_cpus: tuple[int, ...] | Literal["auto"] = AUTO
     op_timeout_s: float = DEFAULT_OP_TIMEOUT_S
     copy_timeout_s: float = DEFAULT_COPY_TIMEOUT_S
     lookup_timeout_s: float = 2.0
@@ -132,10 +132,10 @@ class ConnectorConfig:
     def chunk_blocks_for(self, block_size: int) -> int:
         return self.chunk_blocks or max(1, DEFAULT_CHUNK_TOKENS // block_size)
 
-    def copy_cpus_here(self, device: str = "cpu") -> tuple[int, ...]:
-        """The copy CPUs for a worker whose model runs on the calling thread, with its KV
-        caches on ``device``: the configured ones, or with ``"auto"`` and CPU caches the CPUs
-        that thread is not bound to (an accelerator's copies are DMA the thread only issues:
+    def copy_cpus_here(self, device: str) -> tuple[int, ...]:
+        """The copy CPUs for a worker (this process) with its KV caches on ``device``: the
+        configured ones, or with ``"auto"`` and CPU caches ``spare_cpus()``, to be called once
+        vLLM has bound its threads (an accelerator's copies are DMA the thread only issues:
         no pinning, which could put them on another NUMA node than the pinned memory)."""
         if not isinstance(self.copy_cpus, str):  # a list, normalised: not "auto"
             return self.copy_cpus
@@ -149,10 +149,10 @@ class ConnectorConfig:
         rank: int = 0,
         copy_cpus: tuple[int, ...] | None = None,
     ) -> EngineConfig:
-        """The engine's settings; ``copy_cpus`` as the worker resolved them (default:
-        ``copy_cpus_here()`` on the calling thread)."""
+        """The engine's settings; ``copy_cpus`` as the worker resolved them
+        (``copy_cpus_here``), by default the configured list (``"auto"``: none)."""
         if copy_cpus is None:
-            copy_cpus = self.copy_cpus_here()
+            copy_cpus = () if isinstance(self.copy_cpus, str) else self.copy_cpus
         return EngineConfig(
             model=self.model or model,
             rank=rank,

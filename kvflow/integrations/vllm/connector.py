@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvflow.errors import ConfigError, KVFlowError, LayoutError
 from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint
-from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.config import AUTO, ConnectorConfig
 from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
 from kvflow.keys import ChunkHashes, KeySpace
 from kvflow.pipeline.executor import call_pinned
@@ -182,6 +182,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         )
         self._store: Store | None = None
         self._store_error: str | None = None
+        self._copy_cpus: tuple[int, ...] = ()  # a worker's, set with its KV caches
         self._stats = KVFlowConnectorStats()  # the worker's; the scheduler's stay empty
         self._stats_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
@@ -317,7 +318,6 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._rank = 0
         self._saves_here = True
-        self._copy_cpus: tuple[int, ...] = ()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -335,11 +335,20 @@ class KVFlowConnector(KVConnectorBase_V1):
                 f"vLLM's cache spec says {page}: kvflow does not know this layout",
             )
         self._layer_index = {name: i for i, name in enumerate(names)}
-        self._copy_cpus = self.config.copy_cpus_here(layout.device)  # on the model's thread
+        self._copy_cpus = self.config.copy_cpus_here(layout.device)  # vLLM has bound its threads
+        model_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         log.info(
-            "kvflow: worker copy threads %s",
-            f"pinned to CPUs {list(self._copy_cpus)}" if self._copy_cpus else "not pinned",
+            "kvflow: worker copy threads on CPUs %s, the model thread on %s",
+            list(self._copy_cpus) or "(not pinned)",
+            model_cpus,
         )
+        if self.config.copy_cpus == AUTO and self._copy_cpus and self._tp_size > 1:
+            log.warning(
+                'kvflow: copy_cpus "auto" with %d workers: the CPUs %s may be another '
+                "worker's compute cores; list the reserved cores in copy_cpus",
+                self._tp_size,
+                list(self._copy_cpus),
+            )
         self._store = self._open_store(scheduler=False, device=layout.device)
         if self._store is None:
             return
