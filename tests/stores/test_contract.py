@@ -395,23 +395,28 @@ _OVERFLOW_SCRIPT = textwrap.dedent(
     import sys
     import numpy as np
     from kvflow import Direction, InvalidArgumentError
+    from tests.pools import stop_master
     from tests.stores.conftest import OBJ_BYTES, addr, alloc_registered, make_store
 
     name, case = sys.argv[1], sys.argv[2]
-    store = make_store(name, 4 * OBJ_BYTES)
-    session = store.open_write(["a"], OBJ_BYTES)
-    buf = alloc_registered(store, OBJ_BYTES)
-    top = 2**63 - 1  # a range starting here wraps past the end of int64
-    pool, local = (top, addr(buf)) if case == "pool" else (int(session.addrs[0]), top)
-    try:
-        store.batch_copy(
-            np.array([pool], np.int64), np.array([local], np.int64),
-            np.array([OBJ_BYTES], np.int64), Direction.FROM_POOL,
-        )
-    except InvalidArgumentError:
-        print("REFUSED")
-    else:
-        print("COPIED")
+    try:  # a Mooncake master this process starts must not outlive it
+        store = make_store(name, 4 * OBJ_BYTES)
+        session = store.open_write(["a"], OBJ_BYTES)
+        buf = alloc_registered(store, OBJ_BYTES)
+        top = 2**63 - 1  # a range starting here wraps past the end of int64
+        pool, local = (top, addr(buf)) if case == "pool" else (int(session.addrs[0]), top)
+        try:
+            store.batch_copy(
+                np.array([pool], np.int64), np.array([local], np.int64),
+                np.array([OBJ_BYTES], np.int64), Direction.FROM_POOL,
+            )
+        except InvalidArgumentError:
+            print("REFUSED")
+        else:
+            print("COPIED")
+        store.close()
+    finally:
+        stop_master()
     """
 )
 
