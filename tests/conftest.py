@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,21 @@ def _stop_pool_servers() -> Iterator[None]:
     """Pool servers a test started stop when it ends, whatever happened."""
     yield
     stop_servers()
+
+
+@pytest.fixture
+def bound_to_one_cpu() -> Iterator[int]:
+    """The calling thread bound to one CPU (returned) for the test, as vLLM's CPU worker binds
+    its model thread; skipped with fewer than two CPUs."""
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("needs two CPUs")
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @pytest.fixture(params=STORE_NAMES)

@@ -341,18 +341,11 @@ def test_spare(
     assert _spare(allowed, threads, online, cgroup, nodes) == expected
 
 
-def test_spare_cpus_leave_out_a_bound_thread_of_this_process() -> None:
+def test_spare_cpus_leave_out_a_bound_thread_of_this_process(bound_to_one_cpu: int) -> None:
     """The live reading: a thread of this process bound to one CPU, as vLLM binds its model
     thread; the spare CPUs never include it and are usable as copy_cpus."""
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("needs two CPUs")
-    bound = min(before)
-    os.sched_setaffinity(0, {bound})
-    try:
-        spare = spare_cpus()
-    finally:
-        os.sched_setaffinity(0, before)
+    bound = bound_to_one_cpu
+    spare = spare_cpus()
 
     assert spare == tuple(sorted(spare))
     assert bound not in spare

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -199,32 +198,17 @@ def test_copy_cpus_list_becomes_a_tuple() -> None:
     assert ConnectorConfig(copy_cpus=[cpu]).copy_cpus == (cpu,)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def bound_model_thread() -> Iterator[int]:
-    """The calling thread bound to one CPU (returned), as vLLM's CPU worker binds its model
-    thread."""
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("needs two CPUs")
-    cpu = min(before)
-    os.sched_setaffinity(0, {cpu})
-    try:
-        yield cpu
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def test_auto_copy_cpus_keep_off_the_model_threads_cores(bound_model_thread: int) -> None:
+def test_auto_copy_cpus_keep_off_the_model_threads_cores(bound_to_one_cpu: int) -> None:
     config = ConnectorConfig()
 
     cpus = config.copy_cpus_here("cpu")
 
     assert cpus == kvflow.spare_cpus()
-    assert cpus and bound_model_thread not in cpus
+    assert cpus and bound_to_one_cpu not in cpus
     assert config.engine_config(block_size=16, model="m", copy_cpus=cpus).copy_cpus == cpus
 
 
-def test_auto_copy_cpus_pin_nothing_for_accelerator_caches(bound_model_thread: int) -> None:
+def test_auto_copy_cpus_pin_nothing_for_accelerator_caches(bound_to_one_cpu: int) -> None:
     assert ConnectorConfig().copy_cpus_here("cuda:0") == ()
     assert ConnectorConfig().copy_cpus_here("npu") == ()
 
@@ -235,9 +219,9 @@ def test_engine_config_without_resolved_cpus_pins_nothing_for_auto() -> None:
     assert ConnectorConfig().engine_config(block_size=16, model="m").copy_cpus == ()
 
 
-def test_explicit_copy_cpus_win_over_auto(bound_model_thread: int) -> None:
+def test_explicit_copy_cpus_win_over_auto(bound_to_one_cpu: int) -> None:
     """``[]``: no pinning, the copy threads inherit the model thread's core; a list: that."""
-    cpu = bound_model_thread
+    cpu = bound_to_one_cpu
     assert ConnectorConfig(copy_cpus=[]).copy_cpus_here("cpu") == ()  # type: ignore[arg-type]
     assert ConnectorConfig(copy_cpus=[cpu]).copy_cpus_here("cpu") == (cpu,)  # type: ignore[arg-type]
     listed = ConnectorConfig.from_extra_config({"copy_cpus": [cpu]})
