@@ -256,7 +256,7 @@ def main() -> int:
         "hit90_tokens": HIT90_TOKENS,
         "block": BLOCK,
     }
-    OUT.mkdir(exist_ok=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(document, indent=2))
     print_table(results, summary)
     print(f"JSON: {args.json}", file=sys.stderr)
