@@ -391,12 +391,8 @@ def summarize(groups: list[dict[str, Any]]) -> dict[str, float]:
         "hit99",
     )
     ratio("hit99_kvflow_layerwise_over_prefix_cache", "kvflow_layerwise", "prefix_cache", "hit99")
-    ratio(
-        "hit99_two_threads_over_mooncake_connector",
-        "kvflow_two_threads",
-        "mooncake_store_connector",
-        "hit99",
-    )
+    ratio("hit99_two_threads_over_one", "kvflow_two_threads", "kvflow_layerwise", "hit99")
+    ratio("hit90_two_threads_over_one", "kvflow_two_threads", "kvflow_layerwise", "hit90")
     ratio("hit99_floating_over_pinned", "kvflow_floating", "kvflow_layerwise", "hit99")
     ratio("hit90_floating_over_pinned", "kvflow_floating", "kvflow_layerwise", "hit90")
     ratio("hit99_non_layerwise_over_layerwise", "kvflow_non_layerwise", "kvflow_layerwise", "hit99")
