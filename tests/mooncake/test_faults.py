@@ -151,8 +151,10 @@ async def test_master_restarted_service_resumes(own_master: MooncakeMaster) -> N
 
 
 async def test_pool_full_skips_saves_and_corrupts_nothing(own_master: MooncakeMaster) -> None:
-    """96 objects of 512 KiB into a 16 MiB segment: the pool fills, the master evicts, saves
-    beyond what fits are skipped (counted); every chunk still stored loads exactly."""
+    """96 objects of 512 KiB into a 16 MiB segment: the pool fills, the master evicts, and a
+    save that finds no space is skipped (counted). Whether a put finds the segment full or
+    the master's eviction made room first is a race, so the pool's filling shows as skipped
+    saves, chunks missing at load, or both; every chunk still stored loads exactly."""
     caches = random_caches(num_layers=4, num_blocks=64, block_shape=(BLOCK_SIZE, 4096), seed=7)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BLOCK_SIZE)
     store = store_for({"master": own_master.address, "prefix": "full/"}, "16MiB")
@@ -166,10 +168,10 @@ async def test_pool_full_skips_saves_and_corrupts_nothing(own_master: MooncakeMa
                 result = await asyncio.wait_for(engine.save(tokens, blocks), 20)
                 statuses.extend(result.requests[0].chunk_status.tolist())
             assert set(statuses) <= {ChunkStatus.OK, ChunkStatus.NO_SPACE}, statuses
-            assert statuses.count(ChunkStatus.NO_SPACE) > 0, "the pool never filled"
-            assert store.stats().no_space == statuses.count(ChunkStatus.NO_SPACE)
+            skipped = statuses.count(ChunkStatus.NO_SPACE)
+            assert store.stats().no_space == skipped
 
-            loaded_chunks = 0
+            loaded_chunks = missing_chunks = 0
             for tokens, want in wanted.values():
                 blocks = np.arange(48, 56)
                 for layer in caches:
@@ -177,12 +179,15 @@ async def test_pool_full_skips_saves_and_corrupts_nothing(own_master: MooncakeMa
                 result = await asyncio.wait_for(engine.load(tokens, blocks), 20)
                 status = result.requests[0].chunk_status
                 assert set(status.tolist()) <= {ChunkStatus.OK, ChunkStatus.MISSING}
+                missing_chunks += int(np.count_nonzero(status == ChunkStatus.MISSING))
                 for c in np.flatnonzero(status == ChunkStatus.OK):
                     here = blocks[2 * c : 2 * c + 2]
                     part = [w[2 * c : 2 * c + 2] for w in want]
                     assert _loaded_exactly(caches, here, part), c
                     loaded_chunks += 1
             assert loaded_chunks > 0
+            # 48 MiB cannot all be in 16 MiB: some saves were skipped or some chunks evicted
+            assert skipped + missing_chunks > 0, "the pool never filled"
             assert store.stats().open_sessions == 0
     finally:
         store.close()
