@@ -87,6 +87,7 @@ class BatchTransfer:
         self._result_ready = asyncio.Event()
         self._done = asyncio.Event()
         self._result: TransferResult | None = None
+        self._published = threading.Event()
         self._settled = False  # _finish_once has begun: the chunk statuses are final
         self._closed = False
         self.last_error: BaseException | None = None
@@ -265,17 +266,20 @@ class BatchTransfer:
             await asyncio.wait(unsettled, timeout=self._engine.config.copy_timeout_s)
         pending = [f for f in self._futures if not f.done()]
         if pending:
-            self._result = self._plan.result(self._status)
-            self._result_ready.set()
+            self._publish()
             self._engine._background(self._release_after(pending))
             return
         try:
             await self._release()  # a save's objects are visible before its result is
         finally:
-            self._result = self._plan.result(self._status)
             self._engine._handles.discard(self)
-            self._result_ready.set()
+            self._publish()
             self._done.set()
+
+    def _publish(self) -> None:
+        self._result = self._plan.result(self._status)
+        self._result_ready.set()
+        self._published.set()  # the result, for other threads: no loop hop to read it
 
     async def _release_after(self, pending: list[asyncio.Future[Any]]) -> None:
         grace = _STRAGGLER_GRACE * self._engine.config.copy_timeout_s
@@ -304,6 +308,11 @@ class BatchTransfer:
     def done(self) -> bool:
         """True once the result is known and the store's leases or slots are released."""
         return self._done.is_set()
+
+    def result_now(self) -> TransferResult | None:
+        """The batch's result if it is out (what ``wait()`` would return), else None; from
+        any thread, without waiting."""
+        return self._result if self._published.is_set() else None
 
     async def wait(self, timeout: float | None = None) -> TransferResult:
         """The batch's result, once every layer is done and the store is updated."""

@@ -242,3 +242,43 @@ def test_a_save_closed_while_its_session_opens_aborts_it_when_it_opens() -> None
     assert usage.objects == objects  # nothing of the closed save was committed
     engine.close()
     store.close()
+
+
+class _HeldRelease(WrappedStore):
+    """The real store, with the end of a read session held while ``gate`` is not set."""
+
+    gate: threading.Event | None = None
+
+    def close_read(self, session: object) -> None:
+        if self.gate is not None:
+            self.gate.wait(5)
+        super().close_read(session)  # type: ignore[arg-type]
+
+
+def test_wait_reads_a_published_result_without_the_loop(store_name: str) -> None:
+    """The result comes out only once the read lease is released; from then on ``wait`` reads
+    it on the caller's thread, even while the loop thread is busy: the end of a forward that
+    overlapped the whole load waits for no thread to be scheduled."""
+    layout = kvflow.KVLayout.from_tensors(make_caches(4), block_size=BS)
+    store = _HeldRelease(make_store(store_name, "8MiB"))
+    engine = kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=1))
+    engine.save(np.arange(32), [0, 1])
+    store.gate = threading.Event()
+    load = engine.start_load([(np.arange(32), [5, 6])])
+    for layer in range(4):
+        load.wait_layer(layer, timeout=5)
+    time.sleep(0.1)
+    assert load.handle.result_now() is None  # every layer is in, the lease is still held
+    store.gate.set()
+    deadline = time.monotonic() + 5
+    while not load.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    busy = threading.Event()
+    engine._loop.call_soon_threadsafe(busy.wait, 5)
+    start = time.monotonic()
+    result = load.wait(timeout=1)
+    assert time.monotonic() - start < 0.5
+    assert result.ok and result.requests[0].ok_tokens == 32
+    busy.set()
+    engine.close()
+    dispose(store)
