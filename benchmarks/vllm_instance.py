@@ -85,13 +85,16 @@ class Instance:
         self.proc.wait()
         self._replies.close()
         if self._pool_socket is not None:
-            subprocess.run(
-                [sys.executable, "-m", "kvflow", "pool", "stop"],
-                check=False,
-                capture_output=True,
-                timeout=60,
-                env={**os.environ, "KVFLOW_POOL_SOCKET": self._pool_socket},
-            )
+            try:
+                subprocess.run(
+                    [sys.executable, "-m", "kvflow", "pool", "stop"],
+                    check=False,
+                    capture_output=True,
+                    timeout=60,
+                    env={**os.environ, "KVFLOW_POOL_SOCKET": self._pool_socket},
+                )
+            except subprocess.TimeoutExpired:  # the other rows' cleanup goes on
+                print(f"the kvflow pool on {self._pool_socket} did not stop", file=sys.stderr)
 
 
 def serve(spec: dict[str, Any]) -> None:
@@ -113,8 +116,11 @@ def serve(spec: dict[str, Any]) -> None:
 
     def answer(tokens: list[int]) -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        m = out.metrics  # the engine core's timestamps: TTFT's wait for a step, and the step
         reply = {
-            "ttft": out.metrics.first_token_latency,
+            "ttft": m.first_token_latency,
+            "queued_s": m.scheduled_ts - m.queued_ts,
+            "step_s": m.first_token_ts - m.scheduled_ts,
             "cached": out.num_cached_tokens,
             "tokens": list(out.outputs[0].token_ids),
         }

@@ -21,7 +21,10 @@ full balance needs a multiple of the group's size). So a row's samples sit secon
 from the other rows' samples of the same repeat, and each ratio is paired: per repeat, then the
 median over repeats (a machine that drifts during the run skews no row against another).
 Recompute, alone in its group and measured once (every repeat would be the same full prefill),
-is compared by medians. TTFT is vLLM's own ``first_token_latency``. A hit sample that found less
+is compared by medians. TTFT is vLLM's own ``first_token_latency``; the JSON also keeps, per
+sample, its engine-core split: ``queued_s`` (queued until scheduled: a connector that loads before
+the step, as MooncakeStoreConnector does, shows its load here) and ``step_s`` (scheduled until the
+first token: a layerwise load overlaps this step). A hit sample that found less
 than the row's full hit (a store that saves in the background, not done yet) is counted as a
 miss and left out. Tokens: each row's first measured ~99 % hit against the prefix-cache row's
 (the same 2 tokens computed over the same KV must give the same greedy tokens); against the
@@ -307,6 +310,10 @@ def new_row(cold: dict[str, Any]) -> dict[str, Any]:
         "hit99_cached": [],
         "hit90_s": [],
         "hit90_cached": [],
+        "hit99_queued_s": [],
+        "hit99_step_s": [],
+        "hit90_queued_s": [],
+        "hit90_step_s": [],
         "same_tokens": True,
         "hit99_tokens": None,
     }
@@ -315,6 +322,8 @@ def new_row(cold: dict[str, Any]) -> dict[str, Any]:
 def record(r: dict[str, Any], key: str, got: dict[str, Any]) -> None:
     r[f"{key}_s"].append(got["ttft"])
     r[f"{key}_cached"].append(got["cached"])
+    r[f"{key}_queued_s"].append(got["queued_s"])
+    r[f"{key}_step_s"].append(got["step_s"])
     if key == "hit99":
         r["same_tokens"] = r["same_tokens"] and got["tokens"] == r["cold_tokens"]
         if r["hit99_tokens"] is None:
