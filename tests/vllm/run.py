@@ -3,9 +3,12 @@
 Runs with the interpreter that has vLLM (``$KVFLOW_VLLM_PYTHON``). ARGS: ``model`` (a directory
 from ``tests.vllm.model``), ``prompts`` (lists of token ids, generated as one batch unless
 ``one_by_one``), ``max_tokens``, ``extra`` (the connector's ``kv_connector_extra_config``; absent:
-no connector), ``llm`` (more ``LLM(...)`` arguments). Writes per prompt the greedy tokens, the
-tokens vLLM did not compute (``num_cached_tokens``: the connector's hits, prefix caching being
-off) and the time to first token.
+no connector), ``llm`` (more ``LLM(...)`` arguments), ``pool_socket`` (a kvflow pool to count
+requests on). Writes per prompt the greedy tokens, the tokens vLLM did not compute
+(``num_cached_tokens``: the connector's hits, unless ``llm`` turns vLLM's prefix caching on)
+and the time to first token; with ``pool_socket``, ``pool_requests``: the pool's request
+counter before the first batch, after each batch, and once more after the last (so the last
+difference is what counting alone costs).
 """
 
 from __future__ import annotations
@@ -46,8 +49,14 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
     outputs = []
     batches = [[p] for p in prompts] if args.get("one_by_one") else [prompts]
+    socket = args.get("pool_socket")
+    requests = [_pool_requests(socket)] if socket else []
     for batch in batches:
         outputs.extend(llm.generate(batch, params, use_tqdm=False))
+        if socket:
+            requests.append(_pool_requests(socket))
+    if socket:
+        requests.append(_pool_requests(socket))
     result = {
         "ready_s": ready_s,
         "outputs": [
@@ -58,9 +67,16 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
             }
             for o in outputs
         ],
+        "pool_requests": requests,
     }
     del llm
     return result
+
+
+def _pool_requests(socket: str) -> int:
+    from kvflow.pool.client import query_stats
+
+    return int(query_stats(socket, timeout_s=10.0)["requests"])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ What is tested: ``matched_tokens`` makes one batched pool lookup of exactly the 
 ``num_computed`` and returns a run of whole chunks that stops at the first miss and never covers
 the last prompt token; ``allocated`` turns a hit into the next step's load (or cancels it);
 ``step`` loads into the right blocks and saves each prompt chunk exactly once, with its blocks,
-across chunked prefill, decode, and preemption; ``finished`` forgets a request.
+across chunked prefill, decode, and preemption; chunks vLLM's own prefix cache provides are not
+saved again when the planner saw them in the pool within ``RECENT_S`` (and are saved when it did
+not, or longer ago, or a lookup found them gone); ``finished`` forgets a request.
 
 The pool is a python set of stored chunk hashes. Block hashes are prefix-chained like vLLM's, so
 prompts that share a prefix share its block hashes.
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
+from kvflow.integrations.vllm.planner import RECENT_S, ChunkPlanner, Transfer
 
 BS = 4  # tokens per vLLM block
 CB = 2  # vLLM blocks per chunk
@@ -95,9 +97,32 @@ class FakePool:
             self.stored.update(t.hashes)
 
 
-def planner(pool: FakePool, *, load: bool = True, save: bool = True) -> ChunkPlanner:
+@dataclass
+class Clock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def planner(
+    pool: FakePool,
+    *,
+    load: bool = True,
+    save: bool = True,
+    seen_limit: int = 1 << 16,
+    clock: Clock | None = None,
+) -> ChunkPlanner:
     """A planner with BS-token blocks and CB-block chunks over ``pool``."""
-    return ChunkPlanner(block_size=BS, chunk_blocks=CB, lookup=pool.lookup, load=load, save=save)
+    return ChunkPlanner(
+        block_size=BS,
+        chunk_blocks=CB,
+        lookup=pool.lookup,
+        load=load,
+        save=save,
+        seen_limit=seen_limit,
+        clock=clock or Clock(),
+    )
 
 
 def stored(
@@ -603,3 +628,107 @@ def test_untracked_request_ids_in_a_step_are_ignored() -> None:
     assert loads == []
     assert per_chunk(saves) == expected(req, range(2), blocks)
     assert p.tracked == 1
+
+
+# -- chunks vLLM's own prefix cache provides ---------------------------------------------------
+
+
+def computed_then_cached(
+    p: ChunkPlanner, pool: FakePool, prompt_tokens: int
+) -> tuple[FakeRequest, FakeRequest]:
+    """Request ``a`` computed and saved in full, then ``b``, the same prompt, which vLLM's own
+    cache serves up to its last chunk (matched with that ``num_computed``). Returns (a, b)."""
+    a = request("a", prompt_tokens, prefix="p")
+    match(p, a)
+    _, saves = p.step([new(a, range(len(a.hashes) + 1), 0, prompt_tokens)])
+    pool.store_saves(saves)
+    b = request("b", prompt_tokens, prefix="p")
+    assert match(p, b, len(saves[0].hashes) * CT) == 0
+    return a, b
+
+
+def test_chunks_seen_in_the_pool_are_not_saved_again_from_vllms_cache() -> None:
+    pool = FakePool()
+    p = planner(pool)
+    _, b = computed_then_cached(p, pool, 5 * CT + 1)
+    calls = len(pool.calls)
+
+    loads, saves = p.step([new(b, range(50, 61), 5 * CT, 1)])
+
+    assert (loads, saves) == ([], [])
+    assert len(pool.calls) == calls  # and no lookup asked to know it
+
+
+def test_chunks_from_vllms_cache_never_seen_in_the_pool_are_saved() -> None:
+    """A conversation's second turn: vLLM cached the first turn's prompt and answer; only the
+    prompt was saved, so the answer's chunks are saved now, with the new ones."""
+    pool = FakePool()
+    p = planner(pool)
+    turn1 = FakeRequest("t1", 2 * CT + 1, chained(words("q1", 2 * CB) + words("x", 1)))
+    match(p, turn1)
+    _, s1 = p.step([new(turn1, range(5), 0, turn1.prompt_tokens)])
+    pool.store_saves(s1)
+    turn2_blocks = words("q1", 2 * CB) + words("a1", 2 * CB) + words("q2", 2 * CB)
+    turn2 = FakeRequest("t2", 6 * CT + 1, chained(turn2_blocks))
+    assert turn2.hashes[: 2 * CB] == turn1.hashes[: 2 * CB]
+
+    assert match(p, turn2, 4 * CT) == 0  # chunks 4 and 5 are new
+    blocks = list(range(100, 113))
+    _, s2 = p.step([new(turn2, blocks, 4 * CT, 2 * CT + 1)])
+
+    assert per_chunk(s1) == expected(turn1, range(2), list(range(5)))
+    assert per_chunk(s2) == expected(turn2, range(2, 6), blocks)
+
+
+def test_chunks_seen_longer_ago_than_recent_s_are_saved_again() -> None:
+    pool, clock = FakePool(), Clock()
+    p = planner(pool, clock=clock)
+    _, b = computed_then_cached(p, pool, 3 * CT + 1)
+    clock.now += RECENT_S + 1
+
+    _, saves = p.step([new(b, range(20, 27), 3 * CT, 1)])
+    c = request("c", 3 * CT + 1, prefix="p")
+    match(p, c, 3 * CT)
+    _, again = p.step([new(c, range(30, 37), 3 * CT, 1)])
+
+    assert per_chunk(saves) == expected(b, range(3), list(range(20, 27)))
+    assert again == []  # the save just now counts as seen
+
+
+def test_a_lookup_that_misses_a_seen_chunk_forgets_it() -> None:
+    pool = FakePool()
+    p = planner(pool)
+    a, b = computed_then_cached(p, pool, 5 * CT + 1)
+    pool.stored.discard(a.chunk_hash(3))  # the pool dropped chunk 3
+    c = request("c", 5 * CT + 1, prefix="p")
+    assert match(p, c, 2 * CT) == CT  # chunk 2 found, chunk 3 missing, chunk 4 found
+
+    _, saves = p.step([new(b, range(50, 61), 5 * CT, 1)])
+
+    assert per_chunk(saves) == expected(b, range(3, 5), list(range(50, 61)))
+
+
+def test_chunks_found_by_a_lookup_count_as_seen() -> None:
+    pool = FakePool()
+    other = request("other", 4 * CT + 1, prefix="p")
+    pool.store(other, range(4))  # saved by another instance
+    p = planner(pool)
+    a = request("a", 4 * CT + 1, prefix="p")
+    assert match(p, a) == 4 * CT
+    p.allocated(a.req_id, 4 * CT)
+    loads, _ = p.step([new(a, range(9), 4 * CT, 1)])
+    b = request("b", 4 * CT + 1, prefix="p")
+    match(p, b, 4 * CT)
+
+    assert per_chunk(loads) == expected(a, range(4), list(range(9)))
+    assert p.step([new(b, range(10, 19), 4 * CT, 1)]) == ([], [])
+
+
+def test_seen_limit_keeps_the_newest_chunks() -> None:
+    pool = FakePool()
+    p = planner(pool, seen_limit=3)
+    _, b = computed_then_cached(p, pool, 5 * CT + 1)  # seen: chunks 2, 3, 4 only
+
+    _, saves = p.step([new(b, range(50, 61), 5 * CT, 1)])
+
+    assert per_chunk(saves) == expected(b, range(5), list(range(50, 61)))

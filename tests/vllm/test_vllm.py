@@ -147,6 +147,34 @@ def test_failed_loads_are_recomputed_and_never_stored(
     assert tokens(warm) == [baseline["A"], baseline["B"]]
 
 
+def test_beside_vllms_own_prefix_cache(vllm: VllmRun, pool_dir: str) -> None:
+    """vLLM's default, its own prefix cache on. A prompt vLLM's cache serves again costs the
+    pool nothing (no lookup, no save: kvflow saved those chunks itself, moments ago). A second
+    turn, which vLLM's cache serves up to the end of the first turn's answer, saves the
+    answer's chunks (no prompt had saved them), and a new instance loads all of it."""
+    extra = shared_extra(pool_dir)
+    answer = tokens(vllm([A], max_tokens=40))[0]
+    turn2 = A + answer + _tokens(50, 6)  # 390 tokens: A, its answer (300..339), 50 new
+    run = vllm(
+        [A, A, turn2],
+        extra=extra,
+        llm={"enable_prefix_caching": True},
+        one_by_one=True,
+        max_tokens=40,
+        pool_socket=extra["shared"]["socket"],
+    )
+    # vLLM's own hits: A's 9 full blocks; then A's and the answer's first 20 tokens (block 9)
+    assert cached(run) == [0, _hit(A), 320]
+    assert tokens(run)[:2] == [answer, answer]
+    before, first, again, turn, counting = run["pool_requests"]
+    assert first - before > counting - turn  # A's lookup and save
+    assert again - first == counting - turn  # A again: nothing asked of the pool
+
+    warm = vllm([turn2], extra=extra, max_tokens=40)  # prefix caching off: hits are kvflow's
+    assert cached(warm) == [_hit(turn2)]  # 12 chunks: A's 9, the answer's block 9, 2 new
+    assert tokens(warm) == [tokens(run)[2]]
+
+
 def test_pool_killed_before_the_warm_run(
     vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
 ) -> None:

@@ -246,6 +246,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             lookup=self._lookup,
             load=self.config.load,
             save=self.config.save,
+            seen_limit=2 * self._num_blocks // self._chunk_blocks,  # vLLM's cache, and more
         )
         self._lookup_errors = 0
         self._lookups = _Bounded(self.config.lookup_timeout_s)

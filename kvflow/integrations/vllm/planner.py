@@ -4,16 +4,27 @@ load into which blocks, and which newly computed chunks to save, step by step.
 A chunk is ``chunk_blocks`` vLLM blocks; its key is its last block's hash (vLLM's block hashes
 are prefix-chained, so that hash names the whole prefix). Only prompt chunks are stored. A hit
 never covers the whole prompt: the token that produces the first output is always computed.
+
+Chunks vLLM's own prefix cache provides are saved unless the planner saw them in the pool (a
+lookup found them, or a step loaded or saved them) within ``RECENT_S``: vLLM's cache holds
+them because this instance computed or loaded them, so the pool has them already and a save
+would move nothing, yet cost the step a write session. Chunks it did not see (a conversation's
+earlier answer, which vLLM cached and no prompt saved) are saved; a chunk the pool dropped
+since is saved again at the first device-cache hit after ``RECENT_S``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ChunkPlanner", "Transfer"]
+__all__ = ["RECENT_S", "ChunkPlanner", "Transfer"]
+
+RECENT_S = 60.0  # how long a chunk seen in the pool counts as stored
 
 
 @dataclass(frozen=True)
@@ -34,9 +45,38 @@ class _Tracked:
     stored_chunks: int = 0  # chunks [0, stored_chunks) need no save
 
 
+class _Seen:
+    """Chunk hashes seen in the pool, each with when: at most ``limit``, the oldest dropped."""
+
+    def __init__(self, limit: int, clock: Callable[[], float]) -> None:
+        self._limit = max(1, limit)
+        self._clock = clock
+        self._when: OrderedDict[bytes, float] = OrderedDict()
+
+    def add(self, hashes: Iterable[bytes]) -> None:
+        now = self._clock()
+        for h in hashes:
+            self._when.pop(h, None)
+            self._when[h] = now
+        while len(self._when) > self._limit:
+            self._when.popitem(last=False)
+
+    def discard(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            self._when.pop(h, None)
+
+    def recent(self, h: bytes) -> bool:
+        when = self._when.get(h)
+        return when is not None and self._clock() - when < RECENT_S
+
+    def __len__(self) -> int:
+        return len(self._when)
+
+
 class ChunkPlanner:
     """``lookup(hashes)`` says, per chunk hash, whether every rank's object is in the pool (a
-    failing pool answers all False)."""
+    failing pool answers all False). ``seen_limit`` bounds the chunk hashes
+    remembered as seen in the pool (vLLM's cache holds at most its block count's worth)."""
 
     def __init__(
         self,
@@ -46,6 +86,8 @@ class ChunkPlanner:
         lookup: Callable[[list[bytes]], np.ndarray],
         load: bool = True,
         save: bool = True,
+        seen_limit: int = 1 << 16,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.chunk_blocks = chunk_blocks
@@ -55,12 +97,15 @@ class ChunkPlanner:
         self._tracked: dict[str, _Tracked] = {}
         self._hits: dict[str, tuple[int, int]] = {}  # req_id -> (first chunk, chunks) found
         self._loads: dict[str, tuple[int, int]] = {}  # allocated: load in the next step
+        self._seen = _Seen(seen_limit, clock)
 
     def chunk_hashes(
         self, block_hashes: Sequence[bytes], first: int, end: int
     ) -> tuple[bytes, ...]:
-        cb = self.chunk_blocks
-        return tuple(bytes(block_hashes[(c + 1) * cb - 1]) for c in range(first, end))
+        return tuple(self._chunk_hash(block_hashes, c) for c in range(first, end))
+
+    def _chunk_hash(self, block_hashes: Sequence[bytes], chunk: int) -> bytes:
+        return bytes(block_hashes[(chunk + 1) * self.chunk_blocks - 1])
 
     def matched_tokens(
         self,
@@ -80,7 +125,10 @@ class ChunkPlanner:
         end = min((prompt_tokens - 1) // self.chunk_tokens, len(hashes) // self.chunk_blocks)
         if end <= first:
             return 0
-        found = np.asarray(self._lookup(list(self.chunk_hashes(hashes, first, end))), dtype=bool)
+        asked = self.chunk_hashes(hashes, first, end)
+        found = np.asarray(self._lookup(list(asked)), dtype=bool)
+        self._seen.add(h for h, f in zip(asked, found, strict=True) if f)
+        self._seen.discard(h for h, f in zip(asked, found, strict=True) if not f)
         misses = np.flatnonzero(~found)
         hits = int(misses[0]) if misses.size else int(found.size)
         if hits:
@@ -114,10 +162,13 @@ class ChunkPlanner:
             elif block_ids:
                 t.block_ids.extend(block_ids)
             hashes = t.block_hashes()
+            if replace:  # scheduled afresh: ``computed`` tokens came from vLLM's cache or a load
+                t.stored_chunks = self._seen_run(hashes, t.stored_chunks, computed)
             load = self._loads.pop(req_id, None)
             if load is not None:
                 first, chunks = load
                 loads.append(self._transfer(req_id, t, hashes, first, first + chunks))
+                self._seen.add(loads[-1].hashes)
                 t.stored_chunks = max(t.stored_chunks, first + chunks)
             if not self._save:
                 continue
@@ -127,8 +178,18 @@ class ChunkPlanner:
             )
             if done > t.stored_chunks:
                 saves.append(self._transfer(req_id, t, hashes, t.stored_chunks, done))
+                self._seen.add(saves[-1].hashes)
                 t.stored_chunks = done
         return loads, saves
+
+    def _seen_run(self, hashes: Sequence[bytes], first: int, computed: int) -> int:
+        """The end of the run of chunks from ``first``, within the ``computed`` tokens, that
+        were seen in the pool recently: they need no save."""
+        end = min(computed // self.chunk_tokens, len(hashes) // self.chunk_blocks)
+        c = first
+        while c < end and self._seen.recent(self._chunk_hash(hashes, c)):
+            c += 1
+        return c
 
     def finished(self, req_id: str) -> None:
         for table in (self._tracked, self._hits, self._loads):
