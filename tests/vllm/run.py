@@ -49,14 +49,14 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
     outputs = []
     batches = [[p] for p in prompts] if args.get("one_by_one") else [prompts]
-    socket = args.get("pool_socket")
-    requests = [_pool_requests(socket)] if socket else []
+    pool_socket = args.get("pool_socket")
+    requests = [_pool_requests(pool_socket)] if pool_socket else []
     for batch in batches:
         outputs.extend(llm.generate(batch, params, use_tqdm=False))
-        if socket:
-            requests.append(_pool_requests(socket))
-    if socket:
-        requests.append(_pool_requests(socket))
+        if pool_socket:
+            requests.append(_pool_requests(pool_socket))
+    if pool_socket:
+        requests.append(_pool_requests(pool_socket))
     result = {
         "ready_s": ready_s,
         "outputs": [
@@ -73,10 +73,10 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _pool_requests(socket: str) -> int:
+def _pool_requests(pool_socket: str) -> int:
     from kvflow.pool.client import query_stats
 
-    return int(query_stats(socket, timeout_s=10.0)["requests"])
+    return int(query_stats(pool_socket, timeout_s=10.0)["requests"])
 
 
 if __name__ == "__main__":

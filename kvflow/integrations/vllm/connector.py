@@ -246,7 +246,8 @@ class KVFlowConnector(KVConnectorBase_V1):
             lookup=self._lookup,
             load=self.config.load,
             save=self.config.save,
-            seen_limit=2 * self._num_blocks // self._chunk_blocks,  # vLLM's cache, and more
+            # twice the chunks vLLM's cache holds: those it can serve, and recent others
+            seen_limit=2 * self._num_blocks // self._chunk_blocks,
         )
         self._lookup_errors = 0
         self._lookups = _Bounded(self.config.lookup_timeout_s)

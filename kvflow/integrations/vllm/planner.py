@@ -6,11 +6,12 @@ are prefix-chained, so that hash names the whole prefix). Only prompt chunks are
 never covers the whole prompt: the token that produces the first output is always computed.
 
 Chunks vLLM's own prefix cache provides are saved unless the planner saw them in the pool (a
-lookup found them, or a step loaded or saved them) within ``RECENT_S``: vLLM's cache holds
-them because this instance computed or loaded them, so the pool has them already and a save
-would move nothing, yet cost the step a write session. Chunks it did not see (a conversation's
-earlier answer, which vLLM cached and no prompt saved) are saved; a chunk the pool dropped
-since is saved again at the first device-cache hit after ``RECENT_S``.
+lookup found them) or planned their save within ``RECENT_S``: vLLM's cache holds them because
+this instance computed or loaded them, so the pool normally has them and a save would move
+nothing, yet cost the step a write session. Chunks it did not see (a conversation's earlier
+answer, which vLLM cached and no prompt saved) are saved, up to where the request's load
+starts. A chunk the pool dropped since, or whose planned save failed, is saved again at the
+first such hit after ``RECENT_S``, or sooner if a lookup finds it missing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 
 __all__ = ["RECENT_S", "ChunkPlanner", "Transfer"]
 
-RECENT_S = 60.0  # how long a chunk seen in the pool counts as stored
+RECENT_S = 60.0  # how long a chunk seen in the pool (or planned for saving) counts as stored
+SEEN_LIMIT = 1 << 16  # chunk hashes remembered, by default
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class _Tracked:
 
 
 class _Seen:
-    """Chunk hashes seen in the pool, each with when: at most ``limit``, the oldest dropped."""
+    """Chunk hashes seen in the pool and when each was last seen: at most ``limit`` of them,
+    the least recently seen dropped first."""
 
     def __init__(self, limit: int, clock: Callable[[], float]) -> None:
         self._limit = max(1, limit)
@@ -72,11 +75,15 @@ class _Seen:
     def __len__(self) -> int:
         return len(self._when)
 
+    def __contains__(self, h: object) -> bool:
+        return h in self._when
+
 
 class ChunkPlanner:
     """``lookup(hashes)`` says, per chunk hash, whether every rank's object is in the pool (a
-    failing pool answers all False). ``seen_limit`` bounds the chunk hashes
-    remembered as seen in the pool (vLLM's cache holds at most its block count's worth)."""
+    failing pool answers all False). ``seen_limit`` bounds the chunk hashes remembered as seen
+    in the pool (see the module's docstring); ``clock`` gives the time in seconds they are
+    remembered by. Not thread-safe: vLLM calls the scheduler side from one thread."""
 
     def __init__(
         self,
@@ -86,7 +93,7 @@ class ChunkPlanner:
         lookup: Callable[[list[bytes]], np.ndarray],
         load: bool = True,
         save: bool = True,
-        seen_limit: int = 1 << 16,
+        seen_limit: int = SEEN_LIMIT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
@@ -163,12 +170,11 @@ class ChunkPlanner:
                 t.block_ids.extend(block_ids)
             hashes = t.block_hashes()
             if replace:  # scheduled afresh: ``computed`` tokens came from vLLM's cache or a load
-                t.stored_chunks = self._seen_run(hashes, t.stored_chunks, computed)
+                t.stored_chunks = self._seen_end(hashes, t.stored_chunks, computed)
             load = self._loads.pop(req_id, None)
             if load is not None:
                 first, chunks = load
                 loads.append(self._transfer(req_id, t, hashes, first, first + chunks))
-                self._seen.add(loads[-1].hashes)
                 t.stored_chunks = max(t.stored_chunks, first + chunks)
             if not self._save:
                 continue
@@ -182,7 +188,12 @@ class ChunkPlanner:
                 t.stored_chunks = done
         return loads, saves
 
-    def _seen_run(self, hashes: Sequence[bytes], first: int, computed: int) -> int:
+    @property
+    def seen(self) -> _Seen:
+        """The chunk hashes remembered as seen in the pool."""
+        return self._seen
+
+    def _seen_end(self, hashes: Sequence[bytes], first: int, computed: int) -> int:
         """The end of the run of chunks from ``first``, within the ``computed`` tokens, that
         were seen in the pool recently: they need no save."""
         end = min(computed // self.chunk_tokens, len(hashes) // self.chunk_blocks)
