@@ -23,6 +23,7 @@ from kvflow import (
     WriteSession,
     WriteStatus,
 )
+from tests.pools import unavailable
 from tests.stores.conftest import (
     OBJ_BYTES,
     SMALL_CAPACITY,
@@ -394,13 +395,18 @@ _OVERFLOW_SCRIPT = textwrap.dedent(
     """
     import sys
     import numpy as np
+    import pytest
     from kvflow import Direction, InvalidArgumentError
     from tests.pools import stop_master
     from tests.stores.conftest import OBJ_BYTES, addr, alloc_registered, make_store
 
     name, case = sys.argv[1], sys.argv[2]
     try:  # a Mooncake master this process starts must not outlive it
-        store = make_store(name, 4 * OBJ_BYTES)
+        try:
+            store = make_store(name, 4 * OBJ_BYTES)
+        except pytest.skip.Exception as exc:  # the engine is not installed here: the parent decides
+            print(f"UNAVAILABLE {exc.msg}")
+            sys.exit(0)
         session = store.open_write(["a"], OBJ_BYTES)
         buf = alloc_registered(store, OBJ_BYTES)
         top = 2**63 - 1  # a range starting here wraps past the end of int64
@@ -441,7 +447,10 @@ def test_batch_copy_refuses_ranges_that_wrap_around(
         check=False,
     )
     assert proc.returncode == 0, f"child died (rc={proc.returncode}): {proc.stderr[-2000:]}"
-    assert proc.stdout.strip() == "REFUSED"
+    out = proc.stdout.strip()
+    if out.startswith("UNAVAILABLE "):  # skipped here, failed in CI, as in this process
+        unavailable(out.removeprefix("UNAVAILABLE "))
+    assert out == "REFUSED"
 
 
 # -- leases and eviction ------------------------------------------------------------------------
