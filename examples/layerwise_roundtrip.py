@@ -1,7 +1,9 @@
 """Save a synthetic model's KV cache layer by layer into the embedded pool, load it back into
 other blocks layer by layer, check every byte, and print what moved and how fast.
 
-    python examples/layerwise_roundtrip.py [--layers 32] [--tokens 8192] [--pool 4GiB]
+    python examples/layerwise_roundtrip.py [--layers 32] [--tokens 4096] [--pool SIZE]
+
+(the values shown are the defaults; the pool defaults to what the prompt needs)
 """
 
 from __future__ import annotations
