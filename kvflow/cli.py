@@ -34,7 +34,7 @@ def _parser(scenarios_needed: bool = True) -> argparse.ArgumentParser:
             )
             continue
         sub = scenarios.add_parser(name, help=module.DESCRIPTION, description=module.DESCRIPTION)
-        sub.add_argument("--quick", action="store_true", help="a smaller run of the same measurement")
+        sub.add_argument("--quick", action="store_true", help="a smaller run, same measurement")
         sub.add_argument("--json", metavar="PATH", help="write the results as JSON")
         if hasattr(module, "plot"):
             sub.add_argument("--plot", metavar="PATH", help="draw a PNG (needs matplotlib)")
