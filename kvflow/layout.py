@@ -66,13 +66,22 @@ class KVLayout:
     def from_tensors(
         cls, tensors: Sequence[torch.Tensor | Sequence[torch.Tensor]], *, block_size: int
     ) -> KVLayout:
-        """One entry per layer: a ``[num_blocks, ...]`` tensor, or a tuple of them (parts)."""
+        """One entry per layer: a ``[num_blocks, ...]`` tensor, or a tuple of them (parts).
+
+        ``block_size`` is taken as given: ``[num_blocks, ...]`` does not say which dimension
+        holds the tokens (vllm-ascend's tensors have them second, vLLM's CPU and FlashAttention
+        backends' third), or whether one does (a flattened block).
+        """
         per_layer = [tuple(t) if isinstance(t, (tuple, list)) else (t,) for t in _listed(tensors)]
         return cls._build(per_layer, block_size=block_size, kind="blocks")
 
     @classmethod
     def from_kv_split_tensors(cls, tensors: Sequence[torch.Tensor], *, block_size: int) -> KVLayout:
-        """One ``[2, num_blocks, ...]`` tensor per layer: K and V become two parts."""
+        """One ``[2, num_blocks, ...]`` tensor per layer: K and V become two parts.
+
+        ``block_size`` is taken as given, as in ``from_tensors``: vLLM's ``[2, num_blocks,
+        block_size, heads, head_dim]`` shares this form with head-major and flattened blocks.
+        """
         per_layer = []
         for i, t in enumerate(_listed(tensors)):
             _check_tensor(t, f"tensors[{i}]")
@@ -85,11 +94,23 @@ class KVLayout:
 
     @classmethod
     def from_mla_tensors(cls, tensors: Sequence[torch.Tensor], *, block_size: int) -> KVLayout:
-        """One ``[num_blocks, block_size, dim]`` latent tensor per layer (MLA)."""
+        """One ``[num_blocks, block_size, dim]`` latent tensor per layer (MLA).
+
+        The only constructor whose shape places the tokens, so the only one that checks
+        ``block_size`` against it: a first tensor whose second dimension differs raises
+        LayoutError naming ``block_size``; a later one that differs from it, naming that tensor.
+        """
         _check_block_size(block_size)
         per_layer = []
         for i, t in enumerate(_listed(tensors)):
             _check_tensor(t, f"tensors[{i}]")
+            if i == 0 and t.dim() == 3 and t.shape[1] != block_size:
+                raise LayoutError(
+                    "block_size",
+                    block_size,
+                    f"tensors[0].shape={tuple(t.shape)} is [num_blocks, block_size, dim] for MLA: "
+                    f"its blocks hold {t.shape[1]} tokens",
+                )
             if t.dim() != 3 or t.shape[1] != block_size:
                 raise LayoutError(
                     f"tensors[{i}].shape",

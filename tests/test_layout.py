@@ -259,12 +259,47 @@ def test_refuses_kv_split_tensors_without_a_leading_two() -> None:
     assert "(3, 8, 4, 8)" in str(info.value)
 
 
-def test_refuses_mla_tensors_whose_second_dimension_is_not_the_block_size() -> None:
-    with pytest.raises(LayoutError) as info:
-        KVLayout.from_mla_tensors([torch.zeros(8, 16, 64)], block_size=8)
+@pytest.mark.parametrize("block_size", [8, 32, 1])
+def test_mla_refuses_a_block_size_its_tensors_contradict(block_size: int) -> None:
+    tensors = [torch.zeros(8, 16, 64), torch.zeros(8, 16, 64)]
 
-    assert info.value.argument == "tensors[0].shape"
+    with pytest.raises(LayoutError) as info:
+        KVLayout.from_mla_tensors(tensors, block_size=block_size)
+
+    assert info.value.argument == "block_size"
+    assert info.value.value == block_size
+    assert f"block_size={block_size}:" in str(info.value)
     assert "(8, 16, 64)" in str(info.value)
+
+
+def test_mla_refuses_a_later_tensor_whose_block_dimension_differs_naming_it() -> None:
+    tensors = [torch.zeros(8, 16, 64), torch.zeros(8, 8, 128)]
+
+    with pytest.raises(LayoutError) as info:
+        KVLayout.from_mla_tensors(tensors, block_size=16)
+
+    assert info.value.argument == "tensors[1].shape"
+    assert info.value.value == (8, 8, 128)
+    assert "block_size=16" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("build", "shape"),
+    [
+        (KVLayout.from_tensors, (8, 2, 16, 2, 4)),  # FlashAttention's [blocks, 2, bs, heads, dim]
+        (KVLayout.from_tensors, (8, 2, 16, 8)),  # the CPU backend's [blocks, heads, bs, 2*dim]
+        (KVLayout.from_kv_split_tensors, (2, 8, 2, 16, 4)),  # [2, blocks, heads, bs, dim] (HND)
+        (KVLayout.from_kv_split_tensors, (2, 8, 16 * 2 * 4)),  # [2, blocks, bs*heads*dim]
+    ],
+)
+def test_layouts_whose_shape_does_not_place_block_size_take_it_as_given(
+    build: object, shape: tuple[int, ...]
+) -> None:
+    """``[num_blocks, ...]`` and ``[2, num_blocks, ...]`` do not say which dimension, if any,
+    holds the tokens: engines differ, so block_size is not checked against the shape."""
+    layout = build([torch.zeros(shape)], block_size=16)  # type: ignore[operator]
+
+    assert layout.block_size == 16
 
 
 def test_refuses_mla_tensors_that_are_not_three_dimensional() -> None:
