@@ -16,7 +16,10 @@ class EngineStats:
     they carried; ``copy_calls`` counts the per-layer
     ``batch_copy`` calls and ``copy_ranges`` the ranges they carried. ``hit_chunks`` and
     ``miss_chunks`` count lookups; ``load_missing_chunks`` chunks gone between lookup and load.
-    ``lookup_errors`` and ``store_errors`` count lookups and batch opens the store failed.
+    ``lookup_errors`` and ``store_errors`` count lookups and batch opens or ends the store
+    failed. ``failed_chunks`` counts the chunks loads and saves report FAILED, each once: those
+    of a batch the store could not open (down, closed, timed out), whose copy failed or timed
+    out, or whose session the store could not end.
     ``layer_wait_s[i]`` sums the time consumers spent in ``wait_layer(i)``.
     """
 

@@ -143,6 +143,7 @@ class TransferEngine:
                 session = await self._meta(self.store.open_read, plan.keys, on_late=self._late_read)
             except KVFlowError as exc:
                 self._stats.store_errors += 1
+                self._stats.failed_chunks += plan.num_chunks
                 log.warning("kvflow: open_read failed; the batch's chunks fail: %s", exc)
         active = np.zeros(0, dtype=np.int64)
         if session is not None:
@@ -177,6 +178,7 @@ class TransferEngine:
                 )
             except KVFlowError as exc:
                 self._stats.store_errors += 1
+                self._stats.failed_chunks += plan.num_chunks
                 log.warning("kvflow: open_write failed; the batch is not saved: %s", exc)
         active = np.zeros(0, dtype=np.int64)
         if session is not None:
