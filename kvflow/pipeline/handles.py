@@ -1,11 +1,16 @@
 """LoadHandle and SaveHandle: a request batch loaded or saved layer by layer.
 
 Concurrency contract: a handle belongs to the loop of the engine that made it; its coroutines
-must run there. ``layer_events`` are ``threading.Event``s that other threads may wait on. Closing a
-handle (``aclose``, or leaving ``async with``) stops its tasks and releases its leases or aborts
-its writes; a copy still running in a thread keeps its lease or slot until it returns, so no slot
-is reused under a straggling copy. For a load, that also means: blocks whose copy timed out may
-still be written until ``done()``; do not hand them to another request before then.
+must run there. ``layer_events`` are ``threading.Event``s that other threads may wait on. Use it
+as ``async with await engine.start_load(...) as load:`` (``start_save`` alike). Closing a handle
+(``aclose``, or leaving ``async with`` by an exception, a cancellation, or early) stops its tasks
+and releases its leases or aborts its writes; leaving the block normally after every layer was
+waited for (or written) waits for the result instead, so a save is visible after the block.
+Cancelling a task in ``wait_layer``, ``layer_written`` or ``wait`` closes the handle the same way,
+``async with`` or not; a ``timeout`` that runs out raises TransferTimeoutError and leaves the
+batch going. A copy still running in a thread keeps its lease or slot until it returns, so no
+slot is reused under a straggling copy. For a load, that also means: blocks whose copy timed
+out may still be written until ``done()``; do not hand them to another request before then.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ class LoadHandle(BatchTransfer):
         start = time.perf_counter()
         self._consume(layer - 1)
         try:
-            ready = await event_within(self._events[layer], timeout)
+            ready = await self._abort_on_cancel(event_within(self._events[layer], timeout))
         finally:
             self._engine._record_wait(layer, time.perf_counter() - start)
         if not ready:
@@ -99,6 +104,9 @@ class LoadHandle(BatchTransfer):
     async def wait(self, timeout: float | None = None) -> TransferResult:
         self._consume(self.num_layers - 1)
         return await super().wait(timeout)
+
+    def _handed_over(self) -> bool:
+        return self._consumed >= self.num_layers
 
     def _release_call(self) -> tuple[Any, tuple[Any, ...]] | None:
         if isinstance(self._session, ReadSession):
@@ -204,7 +212,7 @@ class SaveHandle(BatchTransfer):
 
     async def _layer_written(self, layer: int, token: Any, timeout: float | None) -> None:
         layer, limit = self._claim(layer, timeout)
-        if not await self._backlog.take(limit):
+        if not await self._abort_on_cancel(self._backlog.take(limit)):
             self._unclaim(layer, limit)
         if self._closed:
             raise ClosedError("SaveHandle")
@@ -231,6 +239,9 @@ class SaveHandle(BatchTransfer):
         no driver any more: the layer is dropped)."""
         if not self._closed:
             self._written.put_nowait((layer, token))
+
+    def _handed_over(self) -> bool:
+        return len(self._seen) == self.num_layers
 
     def _release_call(self) -> tuple[Any, tuple[Any, ...]] | None:
         session = self._session

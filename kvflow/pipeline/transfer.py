@@ -11,13 +11,20 @@ A driver that cannot go on (a producer or consumer silent for ``op_timeout_s``, 
 fails the batch and hands the completer the missing layers, so the completer always finishes and
 the store is always released. Cleanup runs as a task of its own, awaited through
 ``asyncio.shield``: cancelling the caller, even twice, cannot cut it short.
+
+A caller cancelled in one of the handle's waits (``wait_layer``, ``layer_written``, ``wait``)
+aborts the batch there, as ``aclose`` does: copies not yet begun never start, and the leases,
+pending writes and slots come back before the cancellation goes on, not after ``op_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import threading
+from collections.abc import Awaitable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,6 +44,7 @@ __all__ = ["BatchTransfer"]
 
 log = logging.getLogger("kvflow")
 H = TypeVar("H", bound="BatchTransfer")
+T = TypeVar("T")
 
 _STRAGGLER_GRACE = 10.0  # x copy_timeout_s: how long a late copy may hold its slot or lease
 
@@ -82,6 +90,7 @@ class BatchTransfer:
             maxsize=self._window()
         )
         self._futures: list[asyncio.Future[Any]] = []  # every copy submitted
+        self._submitted: list[concurrent.futures.Future[Any]] = []  # the same, as the executor's
         self._timed_out: set[asyncio.Future[Any]] = set()  # copies the completer gave up on
         self._finish_task: asyncio.Task[None] | None = None
         self._result_ready = asyncio.Event()
@@ -109,6 +118,11 @@ class BatchTransfer:
 
     def _release_call(self) -> tuple[Any, tuple[Any, ...]] | None:
         """The store call that ends the session (commit or release) and its arguments."""
+        raise NotImplementedError
+
+    def _handed_over(self) -> bool:
+        """Every layer is in the batch's hands (waited for, or written): it ends without the
+        caller."""
         raise NotImplementedError
 
     async def _release(self) -> None:
@@ -142,9 +156,9 @@ class BatchTransfer:
                 ranges = self._ranges(layer)
                 future = None
                 if ranges is not None and len(ranges):
-                    future = asyncio.wrap_future(
-                        engine._copier.submit(self._copy, layer, ranges, token)
-                    )
+                    copy = engine._copier.submit(self._copy, layer, ranges, token)
+                    self._submitted.append(copy)
+                    future = asyncio.wrap_future(copy)
                     self._futures.append(future)
                 sent.add(layer)
                 await self._queue.put((layer, ranges, future))
@@ -317,7 +331,7 @@ class BatchTransfer:
     async def wait(self, timeout: float | None = None) -> TransferResult:
         """The batch's result, once every layer is done and the store is updated."""
         timeout = self._engine.config.op_timeout_s if timeout is None else timeout
-        if not await event_within(self._result_ready, timeout):
+        if not await self._abort_on_cancel(event_within(self._result_ready, timeout)):
             raise TransferTimeoutError(f"{type(self).__name__}.wait", timeout)
         assert self._result is not None
         return self._result
@@ -340,7 +354,18 @@ class BatchTransfer:
             tev.set()
         await self._finish()
 
+    async def _abort_on_cancel(self, waiting: Awaitable[T]) -> T:
+        """Await one of the caller's waits; a caller cancelled there aborts the batch (shielded,
+        as ``aclose``) before its cancellation goes on."""
+        try:
+            return await waiting
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+
     def _abort(self) -> None:
+        for copy in self._submitted:  # copies still queued never start; running ones finish
+            copy.cancel()
         if not self._settled:
             self._failed[:] = True
             self._status[self._active] = ChunkStatus.FAILED
@@ -351,6 +376,12 @@ class BatchTransfer:
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        """Leaving the block normally sees a batch that can end on its own (every layer waited
+        for, or written) through to its result, within ``op_timeout_s``; any other batch, and
+        every batch left by an exception or a cancellation, is aborted."""
+        if et is None and not self._closed and self._handed_over():
+            with contextlib.suppress(TransferTimeoutError):  # too slow: aborted below
+                await self.wait()
         await self.aclose()
 
     def __repr__(self) -> str:
