@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,31 @@ def int_vector(value: Any, argument: str, what: str) -> np.ndarray:
     if arr.size and arr.dtype.kind == "u" and arr.max() > _INT64_MAX:
         raise InvalidArgumentError(argument, int(arr.max()), f"{what} must fit in int64")
     return arr.astype(np.int64, copy=False)
+
+
+def repeated(values: np.ndarray) -> list[int]:
+    """The values that occur more than once in ``values``, ascending, each once."""
+    ordered = np.sort(values)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    return [int(v) for v in np.unique(twice)] if twice.size else []
+
+
+def check_timeout(value: Any, argument: str = "timeout") -> float | None:
+    """A caller's timeout: None (the configured default) or a finite number of seconds >= 0.
+
+    Raises InvalidArgumentError naming ``argument`` for anything else (negative, NaN, infinite,
+    not a number): every wait has a limit, and none is in the past.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(argument, value, "must be a number of seconds >= 0, or None")
+    seconds = float(value)
+    if not seconds >= 0:  # negative, or NaN
+        raise InvalidArgumentError(argument, value, "must be a number of seconds >= 0, or None")
+    if not math.isfinite(seconds):
+        raise InvalidArgumentError(argument, value, "must be finite: every wait has a limit")
+    return seconds
 
 
 def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

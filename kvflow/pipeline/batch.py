@@ -8,12 +8,13 @@ from typing import Any
 
 import numpy as np
 
+from kvflow._validate import repeated
 from kvflow.errors import InvalidArgumentError
 from kvflow.keys import ChunkHashes, KeySpace, chunk_hashes, token_array
 from kvflow.layout import KVLayout
 from kvflow.results import RequestResult, TransferResult
 
-__all__ = ["BatchPlan", "plan_batch"]
+__all__ = ["BatchPlan", "check_distinct_blocks", "plan_batch"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +69,9 @@ def plan_batch(
     """Validate ``[(token_ids, block_ids), ...]`` and key their full chunks.
 
     Each request needs exactly ``ceil(len(token_ids) / block_size)`` block ids; a request named
-    by ``ChunkHashes`` needs ``chunk_blocks`` ids per chunk. For a load, no
-    device block may receive two chunks. Raises InvalidArgumentError before anything is changed.
+    by ``ChunkHashes`` needs ``chunk_blocks`` ids per chunk. The blocks a request moves (those of
+    its full chunks) must be distinct (``check_distinct_blocks``). Raises InvalidArgumentError
+    before anything is changed.
     """
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
         raise InvalidArgumentError(
@@ -99,10 +101,47 @@ def plan_batch(
         keys.extend(keyspace.keys(hashes))
         blocks.append(ids[: n * chunk_blocks])
         counts.append(n)
+    check_distinct_blocks(blocks, load=load)
     block_ids = np.concatenate(blocks) if blocks else np.zeros(0, np.int64)
-    if load and block_ids.size != np.unique(block_ids).size:
-        values, seen = np.unique(block_ids, return_counts=True)
-        raise InvalidArgumentError(
-            "block_ids", int(values[seen > 1][0]), "a load would write two chunks into this block"
-        )
     return BatchPlan(tuple(keys), block_ids, tuple(counts), chunk_blocks, layout.block_size)
+
+
+def check_distinct_blocks(blocks: Sequence[np.ndarray], *, load: bool) -> None:
+    """Refuse a batch whose ``blocks[r]`` (the blocks request r moves) name a block twice.
+
+    Within one request a block cannot be two places of one sequence: a save would store one
+    block's KV for both, a load would write two chunks into it. Between requests a load is
+    refused alike; a save is not, since requests with a common prefix share its blocks. The
+    null block (id 0) that a sliding window's block table repeats is refused too: the places it
+    stands for hold no KV. InvalidArgumentError names ``requests[r].block_ids`` and the repeated
+    ids.
+    """
+    if len(blocks) == 0:
+        return
+    every = np.concatenate(blocks)
+    n = len(blocks)  # one sort finds both: block-major, request-minor tags
+    tags = np.sort(every * n + np.repeat(np.arange(n), [b.size for b in blocks]))
+    same_request = tags[1:] == tags[:-1]
+    same_block = (tags[1:] // n == tags[:-1] // n) if load else same_request
+    if not same_block.any():
+        return
+    if load:
+        moved = "a load would write two chunks into one block"
+    else:
+        moved = "a save would store one block's KV for two places of the sequence"
+    if same_request.any():
+        r = int((tags[1:][same_request] % n).min())
+        raise InvalidArgumentError(
+            f"requests[{r}].block_ids",
+            repeated(blocks[r]),
+            f"repeated among the blocks of the request's full chunks: {moved}",
+        )
+    for r in range(1, n):  # a load: the first request that reuses an earlier one's block
+        for q in range(r):
+            shared = np.intersect1d(blocks[q], blocks[r])
+            if shared.size:
+                raise InvalidArgumentError(
+                    f"requests[{r}].block_ids",
+                    [int(b) for b in shared],
+                    f"also among the blocks requests[{q}] loads: {moved}",
+                )

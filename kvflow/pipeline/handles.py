@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvflow._validate import check_timeout
 from kvflow.errors import ClosedError, InvalidArgumentError, TransferTimeoutError
 from kvflow.pipeline.transfer import BatchTransfer
 from kvflow.pipeline.waits import acquire_within, event_within, get_within
@@ -87,6 +88,7 @@ class LoadHandle(BatchTransfer):
         layer = self._engine.layout.check_layer(layer)
         if self._closed:
             raise ClosedError("LoadHandle")
+        timeout = check_timeout(timeout)
         timeout = self._engine.config.op_timeout_s if timeout is None else timeout
         start = time.perf_counter()
         self._consume(layer - 1)
@@ -102,6 +104,7 @@ class LoadHandle(BatchTransfer):
         return self.loaded_tokens[layer]
 
     async def wait(self, timeout: float | None = None) -> TransferResult:
+        timeout = check_timeout(timeout)  # refused before the window opens
         self._consume(self.num_layers - 1)
         return await super().wait(timeout)
 
@@ -220,6 +223,7 @@ class SaveHandle(BatchTransfer):
 
     def _claim(self, layer: int, timeout: float | None) -> tuple[int, float]:
         """Check and claim ``layer`` before waiting, so a second call for it is refused."""
+        timeout = check_timeout(timeout)
         layer = self._engine.layout.check_layer(layer)
         with self._claims:
             if self._closed:

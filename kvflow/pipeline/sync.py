@@ -2,8 +2,9 @@
 
 The engine's event loop runs in a daemon thread of its own ("kvflow-loop"). Every method here is
 thread-safe and blocking, with a timeout (default ``op_timeout_s``); a call that runs past it
-raises TransferTimeoutError. ``SyncLoadHandle.wait_layer`` waits on a thread-safe event without a
-trip through the loop, so a per-layer wait costs microseconds.
+raises TransferTimeoutError, and a timeout that is negative, NaN or infinite raises
+InvalidArgumentError before anything starts. ``SyncLoadHandle.wait_layer`` waits on a
+thread-safe event without a trip through the loop, so a per-layer wait costs microseconds.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
+from kvflow._validate import check_timeout
 from kvflow.config import EngineConfig
 from kvflow.devices import DeviceOps
 from kvflow.errors import ClosedError, KVFlowError, TransferTimeoutError
@@ -98,12 +100,15 @@ class SyncTransferEngine:
         return self.engine.layout
 
     def lookup(self, token_ids: Any, timeout: float | None = None) -> int:
+        timeout = check_timeout(timeout)
         return self._call(self.engine.lookup(token_ids), timeout, "lookup")
 
     def load(self, token_ids: Any, block_ids: Any, timeout: float | None = None) -> TransferResult:
+        timeout = check_timeout(timeout)
         return self._call(self.engine.load(token_ids, block_ids), timeout, "load")
 
     def save(self, token_ids: Any, block_ids: Any, timeout: float | None = None) -> TransferResult:
+        timeout = check_timeout(timeout)
         return self._call(self.engine.save(token_ids, block_ids), timeout, "save")
 
     def start_load(self, requests: Sequence[Request]) -> SyncLoadHandle:
@@ -126,6 +131,7 @@ class SyncTransferEngine:
         the requests are checked here, the pool's session opens on the loop while the caller
         computes, and the first ``layer_written`` waits for it (at most ``timeout``, default
         that call's own timeout)."""
+        timeout = check_timeout(timeout)
         if self._closed:
             raise ClosedError("SyncTransferEngine")
         self.engine._check_open()
@@ -220,6 +226,7 @@ class _Opening(Generic[H]):
         """Block until the batch's result is known (at most ``timeout`` seconds). A result
         already out is returned at once: the end of a forward that overlapped the whole
         transfer makes no round trip through the loop."""
+        timeout = check_timeout(timeout)
         h = self._opened(timeout)
         result = h.result_now()
         if result is not None:
@@ -272,6 +279,7 @@ class SyncLoadHandle(_Opening[LoadHandle]):
         window forward. On an accelerator the caller's current stream is also made to wait for
         the copy's event (``DeviceOps.order_after``), so its later kernels read the loaded
         layer."""
+        timeout = check_timeout(timeout)
         limit = self._owner._timeout if timeout is None else timeout
         h = self._opened(limit)
         layer = h._engine.layout.check_layer(layer)
@@ -298,6 +306,7 @@ class SyncSaveHandle(_Opening[SaveHandle]):
         """Layer ``layer`` is written; returns at once while the save backlog has room (the
         layer is handed to the loop without waiting), blocks (at most ``timeout``) when full.
         The first call also waits for the store session to open."""
+        timeout = check_timeout(timeout)
         h = self._opened(timeout)
         layer, limit = h._claim(layer, timeout)
         token = h._engine._device.layer_written(layer)  # on the caller's thread (its stream)

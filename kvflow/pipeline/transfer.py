@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from kvflow._validate import check_timeout
 from kvflow.errors import KVFlowError, TransferTimeoutError
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
 from kvflow.pipeline.batch import BatchPlan
@@ -329,7 +330,9 @@ class BatchTransfer:
         return self._result if self._published.is_set() else None
 
     async def wait(self, timeout: float | None = None) -> TransferResult:
-        """The batch's result, once every layer is done and the store is updated."""
+        """The batch's result, once every layer is done and the store is updated. ``timeout``:
+        seconds (finite, >= 0), or None for ``op_timeout_s``."""
+        timeout = check_timeout(timeout)
         timeout = self._engine.config.op_timeout_s if timeout is None else timeout
         if not await self._abort_on_cancel(event_within(self._result_ready, timeout)):
             raise TransferTimeoutError(f"{type(self).__name__}.wait", timeout)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvflow import (
+    ChunkHashes,
     ChunkStatus,
     InvalidArgumentError,
     KeySpace,
@@ -164,14 +165,31 @@ def test_plan_refuses_a_block_count_other_than_ceil_tokens_over_block_size(
     assert f"need {need} blocks" in str(info.value)
 
 
-def test_load_refuses_a_block_that_would_receive_two_chunks(
-    layout: KVLayout, keyspace: KeySpace
+@pytest.mark.parametrize("load", [True, False])
+def test_plan_refuses_a_block_repeated_within_a_request(
+    layout: KVLayout, keyspace: KeySpace, load: bool
 ) -> None:
-    with pytest.raises(InvalidArgumentError) as info:
-        _plan(layout, keyspace, [(_tokens(16), [0, 1, 2, 1])], load=True)
+    requests = [(_tokens(8), [6, 7]), (_tokens(16), [0, 1, 2, 1])]
 
-    assert "block_ids" in info.value.argument
-    assert info.value.value == 1
+    with pytest.raises(InvalidArgumentError) as info:
+        _plan(layout, keyspace, requests, load=load)
+
+    assert info.value.argument == "requests[1].block_ids"
+    assert info.value.value == [1]
+    assert ("would write two chunks" in info.value.reason) == load
+
+
+@pytest.mark.parametrize("load", [True, False])
+def test_plan_refuses_repeated_blocks_given_as_chunk_hashes(
+    layout: KVLayout, keyspace: KeySpace, load: bool
+) -> None:
+    hashes = ChunkHashes(chunk_hashes(np.array(_tokens(16), np.int64), CHUNK_TOKENS))
+
+    with pytest.raises(InvalidArgumentError) as info:
+        _plan(layout, keyspace, [(hashes, [3, 4, 4, 3])], load=load)
+
+    assert info.value.argument == "requests[0].block_ids"
+    assert info.value.value == [3, 4]
 
 
 def test_load_refuses_a_block_shared_between_requests(layout: KVLayout, keyspace: KeySpace) -> None:
@@ -180,17 +198,18 @@ def test_load_refuses_a_block_shared_between_requests(layout: KVLayout, keyspace
     with pytest.raises(InvalidArgumentError) as info:
         _plan(layout, keyspace, requests, load=True)
 
-    assert "block_ids" in info.value.argument
-    assert info.value.value == 5
+    assert info.value.argument == "requests[1].block_ids"
+    assert info.value.value == [5]
+    assert "requests[0]" in info.value.reason
 
 
-def test_save_allows_repeated_blocks(layout: KVLayout, keyspace: KeySpace) -> None:
-    requests = [(_tokens(16), [0, 1, 2, 1]), (_tokens(8, seed=1), [1, 0])]
+def test_save_allows_blocks_shared_between_requests(layout: KVLayout, keyspace: KeySpace) -> None:
+    requests = [(_tokens(16), [0, 1, 2, 3]), (_tokens(16, seed=1), [1, 0, 2, 4])]
 
     plan = _plan(layout, keyspace, requests, load=False)
 
-    assert plan.block_ids.tolist() == [0, 1, 2, 1, 1, 0]
-    assert plan.chunks_per_request == (2, 1)
+    assert plan.block_ids.tolist() == [0, 1, 2, 3, 1, 0, 2, 4]
+    assert plan.chunks_per_request == (2, 2)
 
 
 def test_load_ignores_repeats_in_blocks_outside_full_chunks(

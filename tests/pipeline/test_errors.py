@@ -55,7 +55,7 @@ async def test_load_into_the_same_block_twice_is_refused(engine_and_store) -> No
     usage = store.usage()
     with pytest.raises(kvflow.InvalidArgumentError) as info:
         await engine.start_load([(np.arange(64), [5, 6, 5, 7])])
-    assert info.value.argument == "block_ids" and info.value.value == 5
+    assert info.value.argument == "requests[0].block_ids" and info.value.value == [5]
     assert store.usage() == usage
 
 

@@ -80,11 +80,11 @@ async def _roundtrip(
             kvflow.TransferEngine(src_layout, store, cfg) as saver,
             kvflow.TransferEngine(dst_layout, store, cfg) as loader,
         ):
-            # save every prompt from random (shuffled, possibly repeated) source blocks
+            # save every prompt from random (shuffled) source blocks
             saved_from: dict[str, np.ndarray] = {}
             for tokens in prompts:
                 n_blocks = -(-len(tokens) // 4)
-                blocks = rng.integers(0, num_blocks, n_blocks)
+                blocks = rng.permutation(num_blocks)[:n_blocks]
                 result = await saver.save(tokens, blocks)
                 assert result.ok
                 plan = saver._plan([(tokens, blocks)], load=False)
