@@ -37,10 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvflow.errors import ConfigError, KVFlowError, LayoutError
+from kvflow.errors import KVFlowError, LayoutError
 from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint
 from kvflow.integrations.vllm.config import AUTO, ConnectorConfig
 from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
+from kvflow.integrations.vllm.support import check_supported
 from kvflow.keys import ChunkHashes, KeySpace
 from kvflow.pipeline.executor import call_pinned
 from kvflow.pipeline.sync import SyncLoadHandle, SyncSaveHandle, SyncTransferEngine
@@ -149,8 +150,9 @@ class KVFlowConnector(KVConnectorBase_V1):
     thread). Worker hooks block at most ``op_timeout_s`` each (a stuck load costs one timeout
     per step, not one per layer); copies run on the engine's own threads. The scheduler's
     lookup blocks at most ``lookup_timeout_s``, and not at all while an earlier one hangs.
-    Refused at start: several KV cache groups, pipeline or decode-context parallelism,
-    speculative decoding."""
+    Refused at start: what ``support.check_supported`` lists (several KV cache groups,
+    attention with null blocks such as sliding windows, pipeline or decode-context
+    parallelism, speculative decoding)."""
 
     def __init__(
         self,
@@ -163,7 +165,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra_config(extra)
         assert kv_cache_config is not None, "this vLLM passes no kv_cache_config"
-        _check_supported(vllm_config, kv_cache_config)
+        check_supported(vllm_config, kv_cache_config)
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
         group = kv_cache_config.kv_cache_groups[0]
@@ -671,31 +673,3 @@ class _Bounded:
         if "error" in box:
             raise box["error"]
         return box["value"]
-
-
-def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Refuse, at start, what the connector does not handle (rather than move wrong bytes)."""
-    groups = len(kv_cache_config.kv_cache_groups)
-    if groups != 1:
-        raise ConfigError("kv_cache_groups", groups, "kvflow's connector handles one group")
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    hash_block = getattr(kv_cache_config, "hash_block_size", None) or spec.block_size
-    if hash_block != spec.block_size:
-        raise ConfigError("hash_block_size", hash_block, f"must equal block_size={spec.block_size}")
-    parallel = vllm_config.parallel_config
-    for name in ("pipeline_parallel_size", "decode_context_parallel_size"):
-        if getattr(parallel, name, 1) not in (None, 1):
-            raise ConfigError(name, getattr(parallel, name), "not supported by kvflow's connector")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ConfigError(
-            "speculative_config",
-            "set",
-            "speculative decoding is not supported by kvflow's connector",
-        )
-    policy = vllm_config.kv_transfer_config.kv_load_failure_policy
-    if policy != "recompute":
-        log.warning(
-            "kvflow: kv_load_failure_policy=%r: a chunk that fails to load fails its request; "
-            "set it to 'recompute' to recompute the chunk instead",
-            policy,
-        )
