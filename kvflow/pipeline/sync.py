@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -86,14 +87,12 @@ class SyncTransferEngine:
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own TransferTimeoutError (a TimeoutError too)
+                return future.result()
             if on_late is not None:
                 future.add_done_callback(lambda f: _hand_over(f, on_late, self._loop))
             future.cancel()
             raise TransferTimeoutError(what, limit) from None
-
-    def _outer(self, timeout: float | None) -> float:
-        """A limit for a loop round trip whose coroutine enforces ``timeout`` itself."""
-        return (self._timeout if timeout is None else timeout) + 1.0
 
     @property
     def layout(self) -> KVLayout:
@@ -225,13 +224,29 @@ class _Opening(Generic[H]):
     def wait(self, timeout: float | None = None) -> TransferResult:
         """Block until the batch's result is known (at most ``timeout`` seconds). A result
         already out is returned at once: the end of a forward that overlapped the whole
-        transfer makes no round trip through the loop."""
+        transfer makes no round trip through the loop.
+
+        The wait is on the caller's thread, never through the loop: a busy loop cannot cut it
+        short, and one that times out leaves the batch going (``close`` or leaving ``with``
+        stops it)."""
         timeout = check_timeout(timeout)
         h = self._opened(timeout)
         result = h.result_now()
-        if result is not None:
-            return result
-        return self._owner._call(h.wait(timeout), self._owner._outer(timeout), "wait")
+        if result is None:
+            limit = self._owner._timeout if timeout is None else timeout
+            self._waiting(h)
+            if not h._published.wait(limit):
+                raise TransferTimeoutError(f"{type(h).__name__}.wait", limit)
+            result = h.result_now()
+            assert result is not None
+        return result
+
+    def _waiting(self, h: H) -> None:
+        """The caller waits for the whole batch (a load lifts its prefetch window)."""
+
+    def _handed_over(self) -> bool:
+        """Every layer is in the batch's hands, as this caller has seen it."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Stop the batch; its leases and slots are released. Does not wait for a session
@@ -258,7 +273,13 @@ class _Opening(Generic[H]):
     def __enter__(self: Self_) -> Self_:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, et: type[BaseException] | None, *exc: object) -> None:
+        """As leaving ``async with`` a handle: a normal exit sees a batch that can end on its
+        own (every layer waited for, or written) through to its result, within
+        ``op_timeout_s``; any other batch, and every batch left by an exception, is stopped."""
+        if et is None and self._handle is not None and self._handed_over():
+            with contextlib.suppress(TransferTimeoutError):  # too slow: stopped below
+                self.wait()
         self.close()
 
 
@@ -273,6 +294,12 @@ class SyncLoadHandle(_Opening[LoadHandle]):
     ) -> None:
         super().__init__(owner, opening)
         self._passed = -1  # the last layer this caller has waited for
+
+    def _waiting(self, h: LoadHandle) -> None:
+        self._owner._loop.call_soon_threadsafe(h._consume, h.num_layers - 1)
+
+    def _handed_over(self) -> bool:
+        return self._handle is not None and self._passed >= self._handle.num_layers - 1
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer``'s copy is done (on a CUDA GPU: issued); moves the prefetch
@@ -301,6 +328,9 @@ class SyncSaveHandle(_Opening[SaveHandle]):
     """Blocking view of a SaveHandle (see ``_Opening``)."""
 
     _kind = SaveHandle
+
+    def _handed_over(self) -> bool:
+        return self._handle is not None and self._handle._handed_over()
 
     def layer_written(self, layer: int, timeout: float | None = None) -> None:
         """Layer ``layer`` is written; returns at once while the save backlog has room (the

@@ -275,3 +275,112 @@ async def test_leaving_async_with_early_aborts_the_batch(
         aborted(load, 2)
         aborted(save, 2)
     quiet(caplog)
+
+
+# -- the blocking facade: a wait that times out leaves the batch going; leaving `with` ends it
+
+
+def sync_released(engine: kvflow.SyncTransferEngine, store: WrappedStore) -> kvflow.StoreUsage:
+    """``released`` for a SyncTransferEngine, from the caller's thread."""
+    return asyncio.run_coroutine_threadsafe(released(engine.engine, store), engine._loop).result(
+        RELEASE_BOUND_S + 1
+    )
+
+
+def test_a_sync_wait_that_times_out_says_its_own_timeout(parts: Parts) -> None:
+    caches, layout, store = parts
+    with kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
+        tokens = tokens_for(2)
+        assert e.save(tokens, np.arange(4)).ok
+        stall = Stall(store, Direction.FROM_POOL, 0)
+        with e.start_load([(tokens, np.arange(10, 14))]) as load:
+            with pytest.raises(kvflow.TransferTimeoutError) as info:
+                load.wait(timeout=0.05)
+            assert info.value.timeout_s == 0.05 and "LoadHandle.wait" in str(info.value)
+            stall.gate.set()
+            assert load.wait(timeout=5).ok  # the timeout left the batch going
+
+
+def test_a_sync_wait_is_not_cut_short_by_a_busy_loop(parts: Parts) -> None:
+    """A wait that outlives its timeout while the loop thread is busy leaves the batch going,
+    as a wait that times out on a free loop does: no trip through the loop decides it."""
+    caches, layout, store = parts
+    with kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
+        tokens = tokens_for(2)
+        assert e.save(tokens, np.arange(4)).ok
+        stall = Stall(store, Direction.FROM_POOL, 0)
+        with e.start_load([(tokens, np.arange(10, 14))]) as load:
+            assert load.handle.num_layers == LAYERS  # open before the loop gets busy
+            busy = threading.Event()
+            e._loop.call_soon_threadsafe(busy.wait, 5)
+            with pytest.raises(kvflow.TransferTimeoutError):
+                load.wait(timeout=0.05)
+            time.sleep(1.2)  # past the margin a trip through the loop would have been given
+            busy.set()
+            stall.gate.set()
+            assert load.wait(timeout=5).ok
+
+
+def test_leaving_a_sync_with_after_every_layer_finishes_the_batch(parts: Parts) -> None:
+    caches, layout, store = parts
+    with kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
+        tokens = tokens_for(2)
+        with e.start_save([(tokens, np.arange(4))]) as save:
+            for layer in range(LAYERS):
+                save.layer_written(layer)
+        assert save.done()  # no wait(): leaving the block saw the save through
+        assert e.lookup(tokens) == len(tokens)
+        with e.start_load([(tokens, np.arange(10, 14))]) as load:
+            for layer in range(LAYERS):
+                load.wait_layer(layer)
+        assert load.done()
+        result = load.handle.result_now()
+        assert result is not None and result.ok
+        for c in caches:
+            assert torch.equal(c[10:14].view(torch.uint8), c[0:4].view(torch.uint8))
+        sync_released(e, store)
+
+
+def give_up(e: kvflow.SyncTransferEngine, op: str, stored: np.ndarray, fresh: np.ndarray) -> None:
+    """``op`` with a short timeout while the batch's first copy is held."""
+    if op == "wait_layer":
+        with e.start_load([(stored, np.arange(10, 14))]) as load:
+            load.wait_layer(0, timeout=0.05)
+    elif op == "layer_written":
+        with e.start_save([(fresh, np.arange(4))]) as save:
+            save.layer_written(0)
+            save.layer_written(1, timeout=0.05)  # the backlog is full
+    elif op == "wait":
+        with e.start_save([(fresh, np.arange(4))]) as save:
+            save.layer_written(0)
+            save.wait(timeout=0.05)
+    elif op == "load":
+        e.load(stored, np.arange(10, 14), timeout=0.05)
+    else:
+        e.save(fresh, np.arange(4), timeout=0.05)
+
+
+@pytest.mark.parametrize("op", ["wait_layer", "layer_written", "wait", "load", "save"])
+def test_a_sync_caller_that_gives_up_after_a_timeout_holds_nothing(
+    parts: Parts, caplog: pytest.LogCaptureFixture, op: str
+) -> None:
+    """A timed-out wait on a handle, then leaving its ``with``; a whole-request ``load`` or
+    ``save`` past its timeout: leases and pending writes come back once the held copy returns,
+    silently, and the engine goes on."""
+    caches, layout, store = parts
+    caplog.set_level(logging.WARNING)
+    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, save_backlog=1, copy_timeout_s=0.5)
+    with kvflow.SyncTransferEngine(layout, store, cfg) as e:
+        before = store.usage()
+        tokens = tokens_for(2)
+        assert e.save(tokens, np.arange(4)).ok
+        fresh = tokens_for(2, seed=11)
+        direction = Direction.FROM_POOL if op in ("wait_layer", "load") else Direction.TO_POOL
+        stall = Stall(store, direction, 0)
+        with pytest.raises(kvflow.TransferTimeoutError):
+            give_up(e, op, tokens, fresh)
+        stall.gate.set()
+        usage = sync_released(e, store)
+        assert usage.objects == before.objects + 2 and e.lookup(fresh) == 0
+        assert e.load(tokens, np.arange(10, 14)).ok
+    quiet(caplog)
