@@ -7,7 +7,9 @@ and copies on the pinned copy executor, so no call blocks the loop. Every
 wait has a timeout (``op_timeout_s`` for metadata and whole-batch waits, ``copy_timeout_s`` per
 layer's copy). Call order: ``lookup`` (optional), then ``start_load``/``start_save`` (or the
 whole-request ``load``/``save``), then ``close`` once. Cancelling a coroutine that owns a handle
-(``load``, ``save``, or ``async with handle``) releases its leases and aborts its writes.
+(``load``, ``save``, or ``async with handle``), or one waiting in a handle's ``wait_layer``,
+``layer_written`` or ``wait``, aborts the batch: its leases are released and its writes aborted
+before the cancellation goes on.
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ class TransferEngine:
         """Start loading a batch of ``(token_ids, block_ids)``; returns at once with a handle.
 
         Every full chunk of each request is loaded into its blocks. Chunks not in the pool come
-        back MISSING, chunks whose copy fails FAILED: their blocks must be recomputed.
+        back MISSING, chunks whose copy fails FAILED: their blocks must be recomputed. Use as
+        ``async with await engine.start_load(batch) as load:`` (see ``LoadHandle``).
         """
         self._check_open()
         return await self._open_load(self._plan(requests, load=True), self._device.load_started())
@@ -160,7 +163,8 @@ class TransferEngine:
         """Start saving a batch of ``(token_ids, block_ids)``; returns at once with a handle.
 
         Only full chunks are saved; chunks already stored come back EXISTS, chunks that found no
-        room NO_SPACE (skipped, counted). Objects become visible after the last layer.
+        room NO_SPACE (skipped, counted). Objects become visible after the last layer. Use as
+        ``async with await engine.start_save(batch) as save:`` (see ``SaveHandle``).
         """
         self._check_open()
         return await self._open_save(self._plan(requests, load=False))
