@@ -23,6 +23,7 @@ from kvflow.stores.base import (
     WriteStatus,
 )
 from kvflow.stores.copyloop import NATIVE, copy_ranges
+from kvflow.stores.hostmem import check_capacity
 from kvflow.stores.regions import LocalRegions, check_copy_arrays
 
 __all__ = ["LocalStore"]
@@ -34,10 +35,12 @@ _PAGE = mmap.PAGESIZE
 class LocalStore(Store):
     """A host-memory arena of ``capacity`` bytes (``"8GiB"`` accepted) in this process.
 
-    The arena is anonymous memory advised for huge pages. Its pages are mapped on first write,
-    which on some machines (VMs with memory ballooning) costs seconds per GiB on the first
-    saves; ``prefault=True`` pays that once, at construction, instead. ``native_copy=False``
-    uses the pure-Python copy loop even where the native one is built (for comparisons).
+    A capacity beyond the memory this machine (or this process's memory cgroup) has available
+    is refused with ConfigError (``kvflow.stores.hostmem``). The arena is anonymous memory
+    advised for huge pages. Its pages are mapped on first write, which on some machines (VMs
+    with memory ballooning) costs seconds per GiB on the first saves; ``prefault=True`` pays
+    that once, at construction, instead. ``native_copy=False`` uses the pure-Python copy loop
+    even where the native one is built (for comparisons).
 
     KV caches on a CUDA GPU are copied by the GPU's DMA engines (``Store.device_memory``; see
     ``kvflow.devices.CudaDevice``). ``pin`` page-locks the arena for that (``kvflow.cuda``):
@@ -72,6 +75,7 @@ class LocalStore(Store):
             raise ConfigError("capacity", capacity, f"must be at least {SLOT_ALIGN} bytes")
         if pin not in (None, True, False):
             raise ConfigError("pin", pin, "expected None (when a GPU is present), True or False")
+        check_capacity(size, capacity)  # before any memory is mapped
         self._map = _anonymous_map(size, prefault=prefault)
         self._buffer = np.frombuffer(self._map, dtype=np.uint8)
         self._base = int(self._buffer.ctypes.data)
