@@ -10,6 +10,7 @@ The hierarchy::
     ├── TransferTimeoutError         a wait ran past its timeout (also a TimeoutError)
     ├── StoreError                   a store call failed; ``code`` keeps the native code
     │   ├── StoreUnavailableError    the store cannot be reached at all
+    │   │   └── PoolRefusedError     the shared pool's server refused the connection (says why)
     │   └── ProtocolError            a malformed message on the shared pool's socket
     ├── PoolRunningError             a pool server already serves that socket path
     └── MissingDependencyError       an optional engine is not installed (also an ImportError)
@@ -30,6 +31,7 @@ __all__ = [
     "KVFlowError",
     "LayoutError",
     "MissingDependencyError",
+    "PoolRefusedError",
     "PoolRunningError",
     "ProtocolError",
     "StoreError",
@@ -94,6 +96,16 @@ class StoreError(KVFlowError):
 
 class StoreUnavailableError(StoreError):
     """The store cannot be reached: lookups miss and saves are skipped until it is back."""
+
+
+class PoolRefusedError(StoreUnavailableError):
+    """The pool server on ``path`` refused this connection; ``reason`` is what it said (its
+    connection limit, a uid it does not accept)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"the kvflow pool server on {path} refused the connection: {reason}")
 
 
 class MissingDependencyError(KVFlowError, ImportError):

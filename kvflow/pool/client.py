@@ -2,7 +2,9 @@
 
 Blocking and not thread-safe: the owner (SharedStore) serialises requests. Every read and write
 on the socket has a timeout; a timeout, a closed socket or a malformed reply raises
-StoreUnavailableError or ProtocolError, after which the connection is unusable (``broken``).
+StoreUnavailableError or ProtocolError, after which the connection is unusable (``broken``;
+``hung_up`` when the server had closed it). A server that does not take the connection (its
+connection limit) says why: PoolRefusedError.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from kvflow.cuda import pin_host
-from kvflow.errors import ProtocolError, StoreError, StoreUnavailableError
+from kvflow.errors import PoolRefusedError, ProtocolError, StoreError, StoreUnavailableError
 from kvflow.pool import protocol as p
 
 __all__ = ["PoolConnection", "Reply", "map_shared", "query_stats", "unmap"]
@@ -56,6 +58,10 @@ class PoolConnection:
     The server must run as this process's uid (or one of ``trusted_uids``), and the socket's
     directory must belong to it and be writable by nobody else: a pool another user planted
     on the path is refused (StoreUnavailableError), never written to or read from.
+
+    ``reuse``: a closed connection whose mapping no session refers to any more. If the server
+    is the same one (its instance and capacity), this connection takes that mapping over, pin
+    included, instead of mapping (and pinning) the arena again; else it is left as it was.
     """
 
     def __init__(
@@ -66,10 +72,12 @@ class PoolConnection:
         populate: bool = False,
         trusted_uids: tuple[int, ...] = (),
         pin: bool | None = False,
+        reuse: PoolConnection | None = None,
     ) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self.broken = False
+        self.hung_up = False
         self.base = 0
         self.capacity = 0
         self.retired = False
@@ -87,15 +95,16 @@ class PoolConnection:
         self._sock = sock
         try:
             _check_peer(sock, path, trusted_uids)
-            self.hello = self._greet(populate)
-            self._unpin = pin_host(self.base, self.capacity, pin)
-            self.pinned = self._unpin is not None
+            self.hello = self._greet(populate, reuse)
+            if self._unpin is None:  # a mapping taken over (``reuse``) keeps its pin
+                self._unpin = pin_host(self.base, self.capacity, pin)
+                self.pinned = self._unpin is not None
         except BaseException:
             self.close()
             self.unmap()
             raise
 
-    def _greet(self, populate: bool) -> p.Hello:
+    def _greet(self, populate: bool, reuse: PoolConnection | None) -> p.Hello:
         rid = self._send(p.Op.HELLO, p.hello_body(os.getpid()))
         try:
             header, fds, _, _ = socket.recv_fds(self._sock, p.HEADER.size, 1)
@@ -107,6 +116,8 @@ class PoolConnection:
             if len(header) < p.HEADER.size:
                 header += self._recv_exact(p.HEADER.size - len(header))
             code, body = self._read_reply(rid, header)
+            if code == p.Code.REFUSED:
+                raise PoolRefusedError(self.path, body.decode("utf-8", "replace"))
             if code != p.Code.OK:
                 raise StoreError(f"pool server refused HELLO: {body.decode('utf-8', 'replace')}")
             hello = p.parse_hello(body)
@@ -118,12 +129,23 @@ class PoolConnection:
                 raise ProtocolError("the arena is not sealed against resizing")
             if size != hello.capacity:
                 raise ProtocolError(f"arena of {size} bytes, server said {hello.capacity}")
-            self.base = map_shared(fds[0], size, populate)
+            if not self._take_mapping(reuse, hello):
+                self.base = map_shared(fds[0], size, populate)
             self.capacity = size
         finally:
             for fd in fds:
                 os.close(fd)
         return hello
+
+    def _take_mapping(self, old: PoolConnection | None, hello: p.Hello) -> bool:
+        """Take ``old``'s mapping if it maps this very arena (same server instance)."""
+        if old is None or not old.base or old.retired or not old.broken:
+            return False
+        if (old.hello.instance, old.capacity) != (hello.instance, hello.capacity):
+            return False
+        self.base, self._unpin, self.pinned = old.base, old._unpin, old.pinned
+        old.base, old._unpin, old.pinned = 0, None, False
+        return True
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -153,6 +175,7 @@ class PoolConnection:
         try:
             self._sock.sendall(p.frame(op, rid, body))
         except OSError as exc:
+            self.hung_up = isinstance(exc, (BrokenPipeError, ConnectionResetError))
             raise StoreUnavailableError(f"pool server on {self.path} is gone: {exc}") from exc
         return rid
 
@@ -176,6 +199,7 @@ class PoolConnection:
                 self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 k = self._sock.recv_into(view[got:])
                 if k == 0:
+                    self.hung_up = True
                     raise StoreUnavailableError(f"pool server on {self.path} closed the connection")
                 got += k
         except TimeoutError as exc:
@@ -183,6 +207,7 @@ class PoolConnection:
                 f"pool server on {self.path} did not answer within {self.timeout_s:g} s"
             ) from exc
         except OSError as exc:
+            self.hung_up = isinstance(exc, ConnectionResetError)
             raise StoreUnavailableError(f"pool server on {self.path} is gone: {exc}") from exc
         return bytes(buf)
 

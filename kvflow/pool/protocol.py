@@ -21,8 +21,10 @@ Requests (and their reply bodies):
 A session reply is ``u64 handle, u32 n, n x i64 offset, n x i64 size, n x u8 flag``.
 ``keys`` is ``u32 n, n x u16 length, the UTF-8 bytes of every key back to back``. A reply's code
 says how the request went (``Code``); a reply with a code other than OK has an empty body or a
-UTF-8 reason. Decoding is pure and all-or-nothing: a message is decoded completely before the
-server acts on it, so a malformed one (``ProtocolError``) changes nothing.
+UTF-8 reason. A connection the server does not take (its connection limit, a uid it does not
+accept) gets a REFUSED reply to its HELLO, with the reason, and is closed. Decoding is pure
+and all-or-nothing: a message is decoded completely before the server acts on it, so a
+malformed one (``ProtocolError``) changes nothing.
 """
 
 from __future__ import annotations
@@ -88,7 +90,11 @@ STATS_FIELDS = (
     "refused_peers",
     "bad_messages",
     "requests",
-)
+    "refused_limit",
+    "idle_closed",
+    "max_clients",
+    "idle_timeout_ms",
+)  # new fields go last: a client reads as many as it knows
 
 
 class Op(enum.IntEnum):
@@ -109,6 +115,7 @@ class Code(enum.IntEnum):
     EXPIRED = 3  # the read session's leases ran past the server's time limit
     VERSION_MISMATCH = 4
     INVALID_ARGUMENT = 5
+    REFUSED = 6  # to a HELLO: the connection is not taken (the body says why); it closes
 
 
 @dataclass(frozen=True)

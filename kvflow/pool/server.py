@@ -13,6 +13,11 @@ SIGKILL). Read leases also expire after ``lease_ttl_s``; a client that later clo
 session is told EXPIRED. Pending writes never expire while their client lives: their slots may
 still be being written.
 
+Connections: at most ``max_clients`` at once. One more is refused with a reply that says why
+(``Code.REFUSED`` to its HELLO), counted in ``refused_limit``. A connection that holds no session
+and sends nothing for ``idle_timeout_s`` is closed (``idle_closed``), so idle or stuck peers
+cannot lock clients out; a SharedStore reconnects on its next call without failing it.
+
 Concurrency: one thread accepts, one thread serves each connection (blocking reads of one frame
 at a time), one thread expires leases; the index is guarded by one lock, held while a request
 is applied (microseconds per key). ``stop()`` is idempotent and may be called from any thread
@@ -27,6 +32,7 @@ import fcntl
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -49,15 +55,25 @@ from kvflow.pool.client import map_shared, unmap
 from kvflow.pool.paths import check_socket_path, default_socket, ensure_private_directory, sibling
 from kvflow.stores.arena import SLOT_ALIGN, ArenaIndex
 from kvflow.stores.base import WriteStatus
+from kvflow.stores.hostmem import check_capacity
 
-__all__ = ["DEFAULT_LEASE_TTL_S", "PoolConfig", "PoolServer"]
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "DEFAULT_LEASE_TTL_S",
+    "DEFAULT_MAX_CLIENTS",
+    "PoolConfig",
+    "PoolServer",
+]
 
 log = logging.getLogger("kvflow.pool")
 
 DEFAULT_CAPACITY = "1GiB"
 DEFAULT_LEASE_TTL_S = 300.0
 DEFAULT_MAX_CLIENTS = 256
+DEFAULT_IDLE_TIMEOUT_S = 60.0
 _BODY_TIMEOUT_S = 10.0  # once a header arrived, its body must follow within this
+_REFUSE_WAIT_S = 1.0  # a refused peer's HELLO is awaited this long, to answer it
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -72,7 +88,10 @@ class PoolConfig:
             It must exceed the longest load; it only guards against clients that leak leases.
         allow_uids: peers of these uids are accepted besides the server's own uid.
         socket_mode: permission bits of the socket file.
-        max_clients: connections served at once; more are refused.
+        max_clients: connections served at once; more are refused with a reply saying so.
+        idle_timeout_s: a connection that holds no session (no pending write, no read lease)
+            and sends nothing for this long is closed, so that idle or stuck peers cannot keep
+            others out. A SharedStore reconnects on its next call, without failing it.
     """
 
     socket: str = ""
@@ -81,6 +100,7 @@ class PoolConfig:
     allow_uids: tuple[int, ...] = ()
     socket_mode: int = 0o600
     max_clients: int = DEFAULT_MAX_CLIENTS
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "socket", check_socket_path(self.socket or default_socket()))
@@ -89,6 +109,7 @@ class PoolConfig:
             raise ConfigError("capacity", self.capacity, f"must be at least {SLOT_ALIGN} bytes")
         object.__setattr__(self, "capacity", size)
         _positive_float("lease_ttl_s", self.lease_ttl_s)
+        _positive_float("idle_timeout_s", self.idle_timeout_s)
         uids = tuple(self.allow_uids)
         if any(isinstance(u, bool) or not isinstance(u, int) or u < 0 for u in uids):
             raise ConfigError("allow_uids", self.allow_uids, "must be user ids (integers >= 0)")
@@ -122,9 +143,10 @@ class _Client:
 class PoolServer:
     """Serve one arena on ``config.socket``. ``start()`` returns once clients can connect.
 
-    Raises PoolRunningError if another server holds the socket path. ``stop()`` closes every
-    connection, removes the socket and frees the arena (clients that mapped it keep their
-    mapping until they notice and reconnect).
+    Raises PoolRunningError if another server holds the socket path, ConfigError (before
+    anything is created) if the capacity exceeds the memory available (``kvflow.stores.hostmem``).
+    ``stop()`` closes every connection, removes the socket and frees the arena (clients that
+    mapped it keep their mapping until they notice and reconnect).
     """
 
     def __init__(self, config: PoolConfig | None = None) -> None:
@@ -138,7 +160,7 @@ class PoolServer:
         self._counters = dict.fromkeys(
             ("expired_leases", "clients_total", "released_on_disconnect", "refused_peers"), 0
         )
-        self._counters.update(bad_messages=0, requests=0)
+        self._counters.update(bad_messages=0, requests=0, refused_limit=0, idle_closed=0)
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -153,6 +175,7 @@ class PoolServer:
 
     def start(self) -> None:
         path = self.config.socket
+        check_capacity(self.config.size, self.config.size)  # before any file or memory
         ensure_private_directory(os.path.dirname(path))
         self._lock_fd = _take_lock(sibling(path, ".lock"))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -181,10 +204,13 @@ class PoolServer:
         self._spawn(self._accept_loop, "kvflow-pool-accept")
         self._spawn(self._reap_loop, "kvflow-pool-leases")
         log.info(
-            "kvflow pool: serving %d bytes on %s (lease limit %g s)",
+            "kvflow pool: serving %d bytes on %s (lease limit %g s, %d clients at most, "
+            "idle connections closed after %g s)",
             self.config.size,
             path,
             self.config.lease_ttl_s,
+            self.config.max_clients,
+            self.config.idle_timeout_s,
         )
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -221,9 +247,17 @@ class PoolServer:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            u = self._index.usage()
-            values = {name: getattr(u, name) for name in p.STATS_FIELDS if hasattr(u, name)}
-            values.update(self._counters, clients=len(self._clients))
+            return self._stats()
+
+    def _stats(self) -> dict[str, int]:
+        """Every STATS field. Holds _lock."""
+        u = self._index.usage()
+        values = {name: getattr(u, name) for name in p.STATS_FIELDS if hasattr(u, name)}
+        values.update(self._counters, clients=len(self._clients))
+        values.update(
+            max_clients=self.config.max_clients,
+            idle_timeout_ms=round(self.config.idle_timeout_s * 1000),
+        )
         return values
 
     # -- threads ------------------------------------------------------------------------------
@@ -266,8 +300,10 @@ class PoolServer:
                     )
 
     def _serve(self, sock: socket.socket) -> None:
-        client = self._admit(sock)
+        client, refusal = self._admit(sock)
         if client is None:
+            if refusal:
+                _refuse(sock, refusal)
             sock.close()
             return
         try:
@@ -283,31 +319,34 @@ class PoolServer:
         finally:
             self._disconnect(client)
 
-    def _admit(self, sock: socket.socket) -> _Client | None:
+    def _admit(self, sock: socket.socket) -> tuple[_Client | None, str]:
+        """The new connection's client, or None and the reason to tell it (empty: none)."""
         try:
             pid, uid, _ = _PEERCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
         except OSError as exc:
             log.warning("kvflow pool: refusing a peer without credentials: %s", exc)
-            return None
+            return None, ""
         with self._lock:
             if self._stopped.is_set():
-                return None
+                return None, "the pool server is stopping"
             if uid != os.getuid() and uid not in self.config.allow_uids:
                 self._counters["refused_peers"] += 1
                 log.warning("kvflow pool: refusing pid %d of uid %d (not allowed)", pid, uid)
-                return None
-            if len(self._clients) >= self.config.max_clients:
-                self._counters["refused_peers"] += 1
-                log.warning(
-                    "kvflow pool: refusing pid %d: %d clients already", pid, len(self._clients)
+                return None, f"uid {uid} is not allowed (kvflow serve --allow-uid)"
+            limit = self.config.max_clients
+            if len(self._clients) >= limit:
+                self._counters["refused_limit"] += 1
+                log.warning("kvflow pool: refusing pid %d: %d clients already", pid, limit)
+                return None, (
+                    f"it serves its limit of {limit} connections (kvflow serve --max-clients); "
+                    f"idle ones close after {self.config.idle_timeout_s:g} s, try again then"
                 )
-                return None
             client = _Client(sock, pid, uid)
             self._clients.add(client)
             self._counters["clients_total"] += 1
-        return client
+        return client, ""
 
     def _disconnect(self, client: _Client) -> None:
         self._release_sessions(client)
@@ -339,7 +378,9 @@ class PoolServer:
         sock = client.sock
         greeted = False
         while True:
-            sock.settimeout(None)
+            if not self._await_request(client):
+                return
+            sock.settimeout(_BODY_TIMEOUT_S)
             header = _recv_exact(sock, p.HEADER.size)
             if header is None:
                 return
@@ -351,7 +392,6 @@ class PoolServer:
                 raise ProtocolError(f"protocol version {version}, expected {p.VERSION}")
             if length > p.MAX_BODY:
                 raise ProtocolError(f"a {length}-byte message (limit {p.MAX_BODY})")
-            sock.settimeout(_BODY_TIMEOUT_S)
             body = _recv_exact(sock, length)
             if body is None:
                 raise ProtocolError("connection closed inside a message")
@@ -370,12 +410,34 @@ class PoolServer:
                 )
                 socket.send_fds(sock, [p.frame(p.Code.OK, rid, body)], [self._arena_fd])
                 continue
-            if request.op == p.Op.BYE:
+            if request.op == p.Op.BYE:  # its slot is free before it hears so
                 self._release_sessions(client)
+                with self._lock:
+                    self._clients.discard(client)
                 sock.sendall(p.frame(p.Code.OK, rid))
                 return
             code, reply = self.handle(client, request)
             sock.sendall(p.frame(code, rid, reply))
+
+    def _await_request(self, client: _Client) -> bool:
+        """Wait until the peer sends (or closes); False once it has been silent for
+        ``idle_timeout_s`` while holding no session: it is to be closed then."""
+        poller = select.poll()
+        poller.register(client.sock.fileno(), select.POLLIN)
+        timeout_ms = max(1, round(self.config.idle_timeout_s * 1000))
+        while not poller.poll(timeout_ms):
+            with self._lock:
+                idle = not client.sessions  # sessions may still be in use: never idle then
+                if idle:
+                    self._counters["idle_closed"] += 1
+            if idle:
+                log.info(
+                    "kvflow pool: closing the connection of pid %d, idle for %g s",
+                    client.pid,
+                    self.config.idle_timeout_s,
+                )
+                return False
+        return True
 
     def handle(self, client: _Client, request: p.Request) -> tuple[p.Code, bytes]:
         """Apply one decoded request for ``client``; returns the reply's code and body."""
@@ -418,10 +480,7 @@ class PoolServer:
             client.sessions.discard(req.handle)
             return p.Code.OK, b""
         if req.op == p.Op.STATS:
-            u = index.usage()
-            values = {name: getattr(u, name) for name in p.STATS_FIELDS if hasattr(u, name)}
-            values.update(self._counters, clients=len(self._clients))
-            return p.Code.OK, p.stats_reply(values)
+            return p.Code.OK, p.stats_reply(self._stats())
         raise ProtocolError(f"op {req.op!r} is not served here")
 
     def _bad(self) -> None:
@@ -444,6 +503,21 @@ class PoolServer:
 
 def _reason(text: str) -> bytes:
     return text.encode("utf-8", "replace")[:1024]
+
+
+def _refuse(sock: socket.socket, reason: str) -> None:
+    """Answer a refused peer's HELLO with ``Code.REFUSED`` and ``reason`` (the caller closes
+    the socket). A peer that says nothing within _REFUSE_WAIT_S gets no reply."""
+    sock.settimeout(_REFUSE_WAIT_S)
+    with contextlib.suppress(OSError, ProtocolError):
+        header = _recv_exact(sock, p.HEADER.size)
+        if header is None:
+            return
+        length, _, _, _, rid = p.HEADER.unpack(header)
+        if length <= 64:  # a HELLO's body: read it, so that closing resets nothing
+            _recv_exact(sock, length)
+        sock.sendall(p.frame(p.Code.REFUSED, rid, _reason(reason)))
+        sock.shutdown(socket.SHUT_WR)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:

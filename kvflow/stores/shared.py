@@ -67,6 +67,11 @@ class SharedStore(Store):
     consumer's kernels may already have run when the check after the copy fails: the chunk is
     still reported failed, and an inference server recomputes it).
 
+    The server closes a connection that holds no session and has been idle for its idle
+    timeout (``kvflow serve --idle-timeout``); the next call reconnects without failing, also
+    when the close crosses that call's request, and keeps the arena's mapping (and pin) when
+    the server is the same one.
+
     KV caches on a CUDA GPU are copied by the GPU (``kvflow.devices.CudaDevice``); this
     process's mapping of the arena is pinned for that when a GPU is present (``pin``).
 
@@ -97,6 +102,7 @@ class SharedStore(Store):
         self._closed = False
         self._past: list[PoolConnection] = []  # dropped: arena range kept reserved, no access
         self._parked: list[PoolConnection] = []  # dropped while a copy still ran
+        self._spare: PoolConnection | None = None  # dropped without sessions: mapping kept
         self.reconnects = 0
         try:
             with self._lock:
@@ -249,6 +255,9 @@ class SharedStore(Store):
             if self._conn is not None:
                 self._drop(self._conn, "closed")
             self._sessions.clear()
+            if self._spare is not None:
+                self._spare.unmap()
+                self._spare = None
 
     def __repr__(self) -> str:
         conn = self._conn
@@ -298,35 +307,62 @@ class SharedStore(Store):
 
     def _open_connection(self) -> PoolConnection:
         cfg = self.config
-        return PoolConnection(
-            cfg.socket,
-            cfg.timeout_s,
-            populate=cfg.populate,
-            trusted_uids=cfg.server_uids,
-            pin=cfg.pin,
-        )
+        spare, self._spare = self._spare, None
+        try:
+            conn = PoolConnection(
+                cfg.socket,
+                cfg.timeout_s,
+                populate=cfg.populate,
+                trusted_uids=cfg.server_uids,
+                pin=cfg.pin,
+                reuse=spare,
+            )
+        except BaseException:
+            self._spare = spare  # for a later try
+            raise
+        if spare is not None:
+            spare.unmap()  # a no-op when the new connection took its mapping over
+        return conn
 
     def _call(self, op: p.Op, body: bytes = b"") -> tuple[p.Code, bytes]:
         _, code, reply = self._call_on(op, body)
         return code, reply
 
-    def _call_on(self, op: p.Op, body: bytes = b"") -> tuple[PoolConnection, p.Code, bytes]:
+    def _call_on(
+        self, op: p.Op, body: bytes = b"", *, retry: bool = True
+    ) -> tuple[PoolConnection, p.Code, bytes]:
         """One request; also returns the connection that carried it (a reply's offsets are
-        relative to that connection's arena). Holds _lock."""
+        relative to that connection's arena). Holds _lock.
+
+        If the server had closed the connection (an idle one, closed as this request went out)
+        and no session of this client is on it, nothing was lost: the request goes once more,
+        on a new connection. ``retry=False`` for requests about a session."""
         conn = self._connected()
         try:
             code, reply = conn.request(op, body)
         except KVFlowError as exc:
+            again = retry and conn.hung_up and not self._holds(conn)
             self._drop(conn, str(exc))
-            raise StoreUnavailableError(f"the pool on {self.config.socket} is down: {exc}") from exc
+            if not again:
+                raise StoreUnavailableError(
+                    f"the pool on {self.config.socket} is down: {exc}"
+                ) from exc
+            return self._call_on(op, body, retry=False)
         return conn, code, reply
+
+    def _holds(self, conn: PoolConnection) -> bool:
+        """Whether a session of this client is on ``conn``. Holds _lock."""
+        return any(s.conn is conn for s in self._sessions.values())
 
     def _drop(self, conn: PoolConnection, why: str) -> None:
         """Forget a connection: no new copy may use it; once the copies in flight are out,
         the socket closes (the server then releases its sessions) and the arena's memory goes,
         its address range staying reserved while a session still holds addresses in it.
         A copy still running after the drain timeout keeps the socket open (so the server
-        hands none of its slots to anyone) until it returns."""
+        hands none of its slots to anyone) until it returns.
+        A connection no session refers to keeps its mapping as the spare (see ``_spare``):
+        no stale address can point into it, and the next connection to the same server takes
+        it over. Holds _lock."""
         with self._cond:
             if self._conn is conn:
                 self._conn = None
@@ -335,18 +371,27 @@ class SharedStore(Store):
             drained = self._cond.wait_for(lambda: self._in_flight == 0, _DRAIN_TIMEOUT_S)
             if not drained:
                 self._parked.append(conn)
+        idle = not self._closed and not self._holds(conn)
         if drained:
-            self._finish_drop(conn)
+            self._finish_drop(conn, keep_mapping=idle)
         else:
             log.error(
                 "kvflow: a copy still runs after %g s; the old connection waits", _DRAIN_TIMEOUT_S
             )
         if not self._closed:
-            log.warning("kvflow: shared pool connection lost: %s", why)
+            if idle:  # nothing lost; the server closes idle connections
+                log.info("kvflow: pool connection closed, no session on it (%s)", why)
+            else:
+                log.warning("kvflow: shared pool connection lost: %s", why)
             self._retry_at = 0.0
 
-    def _finish_drop(self, conn: PoolConnection) -> None:
+    def _finish_drop(self, conn: PoolConnection, keep_mapping: bool = False) -> None:
         conn.goodbye() if self._closed else conn.close()
+        if keep_mapping:  # only from _drop, under _lock, like every use of _spare
+            old, self._spare = self._spare, conn
+            if old is not None:
+                old.unmap()
+            return
         conn.retire()
         with self._cond:
             self._past.append(conn)
@@ -388,7 +433,8 @@ class SharedStore(Store):
     def _end(self, s: _Session, op: p.Op, body: bytes) -> tuple[p.Code, bytes]:
         if s.conn is not self._conn or s.conn.broken:
             raise StoreUnavailableError("the pool server went away; the session was released")
-        return self._call(op, body)
+        _, code, reply = self._call_on(op, body, retry=False)
+        return code, reply
 
     @staticmethod
     def _expect_ok(code: p.Code, body: bytes, what: str) -> None:

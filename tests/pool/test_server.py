@@ -142,6 +142,15 @@ def test_a_symlinked_directory_is_refused(sock_dir: str) -> None:
     server.stop()
 
 
+def test_a_capacity_beyond_the_machine_creates_nothing(sock_dir: str) -> None:
+    directory = f"{sock_dir}/pool"
+    server = PoolServer(PoolConfig(socket=f"{directory}/pool.sock", capacity="1TB"))
+    with pytest.raises(kvflow.ConfigError, match="MemAvailable"):
+        server.start()
+    server.stop()
+    assert not os.path.exists(directory)  # no directory, lock, socket or pid file
+
+
 def test_a_second_server_on_the_same_path_is_refused(server: PoolServer) -> None:
     second = PoolServer(PoolConfig(socket=server.socket_path, capacity="1MiB"))
     with pytest.raises(kvflow.PoolRunningError):
@@ -243,9 +252,10 @@ def test_max_clients(sock_dir: str) -> None:
         first = PoolConnection(path, 5.0)
         second = PoolConnection(path, 5.0)
         try:
-            with pytest.raises(kvflow.StoreError):
+            with pytest.raises(kvflow.PoolRefusedError, match="limit of 2 connections"):
                 PoolConnection(path, 5.0)
-            assert srv.stats()["refused_peers"] >= 1
+            assert srv.stats()["refused_limit"] == 1
+            assert srv.stats()["refused_peers"] == 0  # that counts uids refused
             assert srv.stats()["clients"] == 2
             first.goodbye()
             first.unmap()
