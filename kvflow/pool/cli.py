@@ -5,19 +5,96 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import time
 from typing import Any
 
-from kvflow.errors import KVFlowError, PoolRunningError
+from kvflow.config import parse_size
+from kvflow.errors import KVFlowError, PoolRunningError, StoreError
 from kvflow.pool.client import query_stats
-from kvflow.pool.launch import EXIT_RUNNING, is_serving, read_pid, start_detached
+from kvflow.pool.launch import (
+    EXIT_RUNNING,
+    differences,
+    is_serving,
+    read_pid,
+    running_pool,
+    start_detached,
+)
 from kvflow.pool.paths import check_socket_path, default_socket
-from kvflow.pool.server import DEFAULT_CAPACITY, DEFAULT_LEASE_TTL_S, PoolConfig, PoolServer
+from kvflow.pool.server import (
+    DEFAULT_CAPACITY,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_CLIENTS,
+    PoolConfig,
+    PoolServer,
+)
+from kvflow.stores.hostmem import check_capacity
 
 __all__ = ["add_commands"]
+
+# `kvflow serve` options and the PoolConfig field each sets; None as the default tells an
+# option given from one left out (a pool found running is compared on those given)
+_SETTINGS = {
+    "capacity": "capacity",
+    "lease_ttl": "lease_ttl_s",
+    "allow_uid": "allow_uids",
+    "socket_mode": "socket_mode",
+    "max_clients": "max_clients",
+    "idle_timeout": "idle_timeout_s",
+}
+
+
+def _capacity(text: str) -> str:
+    """The size as given (messages show it so), once it parses."""
+    try:
+        parse_size(text.strip(), argument="--capacity")
+    except KVFlowError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 8GiB or 512MiB, got {text!r}"
+        ) from None
+    return text.strip()
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _uid(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a user id (an integer >= 0), got {text!r}")
+    return int(text)
+
+
+def _octal_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 < mode <= 0o777:
+        raise argparse.ArgumentTypeError(
+            f"expected permission bits in octal such as 0600 or 0666, got {text!r}"
+        )
+    return mode
 
 
 def add_commands(commands: Any) -> None:
@@ -28,22 +105,47 @@ def add_commands(commands: Any) -> None:
         "machine reaches through SharedStore.",
     )
     serve.add_argument("--socket", default="", help=f"socket path (default {default_socket()})")
-    serve.add_argument("--capacity", default=DEFAULT_CAPACITY, help="arena size, e.g. 8GiB")
     serve.add_argument(
-        "--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S, help="read lease limit, seconds"
+        "--capacity", type=_capacity, help=f"arena size, e.g. 8GiB (default {DEFAULT_CAPACITY})"
     )
     serve.add_argument(
-        "--allow-uid", type=int, action="append", default=[], help="also accept this uid"
+        "--lease-ttl",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"read lease limit (default {DEFAULT_LEASE_TTL_S:g})",
+    )
+    serve.add_argument(
+        "--allow-uid", type=_uid, action="append", metavar="UID", help="also accept this uid"
     )
     serve.add_argument(
         "--socket-mode",
-        type=lambda text: int(text, 8),
-        default=0o600,
+        type=_octal_mode,
+        metavar="MODE",
         help="socket permission bits, octal (0600; other uids need e.g. 0666 and a directory "
         "they may traverse)",
     )
-    serve.add_argument("--detach", action="store_true", help="run in the background")
-    serve.add_argument("--start-timeout", type=float, default=120.0, help="with --detach")
+    serve.add_argument(
+        "--max-clients",
+        type=_count,
+        metavar="N",
+        help=f"connections served at once; more are refused (default {DEFAULT_MAX_CLIENTS})",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="close a connection that holds no session and sends nothing for this long; "
+        f"clients reconnect on their next call (default {DEFAULT_IDLE_TIMEOUT_S:g})",
+    )
+    serve.add_argument(
+        "--detach",
+        action="store_true",
+        help="run in the background; if a pool already runs on the socket, succeed only if it "
+        "has the settings given",
+    )
+    serve.add_argument(
+        "--start-timeout", type=_seconds, default=120.0, metavar="SECONDS", help="with --detach"
+    )
     serve.set_defaults(handler=_serve)
 
     pool = commands.add_parser("pool", help="inspect or stop a running pool server")
@@ -53,20 +155,28 @@ def add_commands(commands: Any) -> None:
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.set_defaults(handler=_stats)
     stop = actions.add_parser("stop", help="stop the server (SIGTERM) and wait for it")
-    stop.add_argument("--timeout", type=float, default=10.0)
+    stop.add_argument("--timeout", type=_seconds, default=10.0, metavar="SECONDS")
     stop.set_defaults(handler=_stop)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = PoolConfig(
-        socket=args.socket,
-        capacity=args.capacity,
-        lease_ttl_s=args.lease_ttl,
-        allow_uids=tuple(args.allow_uid),
-        socket_mode=args.socket_mode,
-    )
+    given = {
+        field: getattr(args, option)
+        for option, field in _SETTINGS.items()
+        if getattr(args, option) is not None
+    }
+    if "allow_uids" in given:
+        given["allow_uids"] = tuple(given["allow_uids"])
+    config = PoolConfig(socket=args.socket, **given)
+    if is_serving(config.socket):
+        return _already_running(config, set(given), args.detach)
+    hint = "use a smaller --capacity or free memory"
+    check_capacity(config.size, args.capacity or DEFAULT_CAPACITY, hint=hint)
     if args.detach:
-        pid = start_detached(config, args.start_timeout)
+        try:
+            pid = start_detached(config, args.start_timeout)
+        except PoolRunningError:  # another server won the race to start
+            return _already_running(config, set(given), args.detach)
         print(f"kvflow pool: serving on {config.socket} (pid {pid}); log {config.socket}.log")
         print(f"  clients: kvflow.SharedStore(socket={config.socket!r})")
         return 0
@@ -74,9 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
     server = PoolServer(config)
     try:
         server.start()
-    except PoolRunningError as exc:
-        print(f"kvflow serve: {exc}", file=sys.stderr)
-        return EXIT_RUNNING
+    except PoolRunningError:
+        return _already_running(config, set(given), args.detach)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     print(f"kvflow pool: serving {config.size} bytes on {config.socket} (pid {os.getpid()})")
@@ -84,6 +193,33 @@ def _serve(args: argparse.Namespace) -> int:
     while not server.wait(1.0):
         pass
     return 0
+
+
+def _already_running(config: PoolConfig, asked: set[str], detach: bool) -> int:
+    """A pool already serves ``config.socket``: say which. ``--detach`` succeeds (exit 0) if
+    it has every setting given; otherwise, and always in the foreground, EXIT_RUNNING."""
+    path = config.socket
+    stop = f"stop it first (kvflow pool --socket {path} stop) or choose another --socket"
+    try:
+        running = running_pool(path)
+    except StoreError as exc:
+        pid = read_pid(path) or "?"
+        print(
+            f"kvflow serve: a pool already runs on {path} (pid {pid}) but did not answer: {exc}",
+            file=sys.stderr,
+        )
+        return EXIT_RUNNING
+    diffs = differences(config, running, asked)
+    if detach and not diffs:
+        print(f"kvflow pool: already running on {path} ({running.describe()}); nothing started")
+        print(f"  clients: kvflow.SharedStore(socket={path!r})")
+        return 0
+    why = f"; not what was asked: {', '.join(diffs)}" if diffs else ""
+    print(
+        f"kvflow serve: a pool already runs on {path} ({running.describe()}){why}; {stop}",
+        file=sys.stderr,
+    )
+    return EXIT_RUNNING
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -105,14 +241,19 @@ def _stop(args: argparse.Namespace) -> int:
     if not pid or not is_serving(path):
         print(f"kvflow pool: no server on {path}", file=sys.stderr)
         return 1
+    print(f"kvflow pool: stopping the pool on {path} (pid {pid})", flush=True)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
     while is_serving(path) or _alive(pid):
         if time.monotonic() > deadline:
-            print(f"kvflow pool: pid {pid} still serving after {args.timeout:g} s", file=sys.stderr)
+            print(
+                f"kvflow pool: the pool on {path} (pid {pid}) still serves after "
+                f"{args.timeout:g} s",
+                file=sys.stderr,
+            )
             return 1
         time.sleep(0.05)
-    print(f"kvflow pool: stopped pid {pid}")
+    print(f"kvflow pool: stopped the pool on {path} (pid {pid})")
     return 0
 
 

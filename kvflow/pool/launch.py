@@ -2,7 +2,8 @@
 
 Many processes may race to start the server for one socket path; the server's lock file lets
 exactly one win (the others exit with EXIT_RUNNING), and every starter then waits until the
-socket accepts connections.
+socket accepts connections. A server found running is described (``running_pool``) and
+compared with what was asked (``differences``), never passed off as one just started.
 """
 
 from __future__ import annotations
@@ -10,17 +11,25 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Collection
+from dataclasses import dataclass
 
-from kvflow.errors import StoreUnavailableError
+from kvflow.errors import PoolRunningError, StoreUnavailableError
+from kvflow.pool import protocol as p
+from kvflow.pool.client import PoolConnection
 from kvflow.pool.paths import ensure_private_directory, sibling
 from kvflow.pool.server import PoolConfig
 
 __all__ = [
     "EXIT_RUNNING",
+    "RunningPool",
+    "differences",
     "is_serving",
+    "running_pool",
     "serve_command",
     "spawn_server",
     "start_detached",
@@ -45,10 +54,14 @@ def is_serving(path: str) -> bool:
 
 
 def serve_command(config: PoolConfig, *extra: str) -> list[str]:
-    """The ``kvflow serve`` command line for ``config`` (this interpreter, this kvflow)."""
+    """The ``kvflow serve`` command line for ``config`` (this interpreter, this kvflow), with
+    every setting of ``config``."""
     return [
         *(sys.executable, "-m", "kvflow", "serve", "--socket", config.socket),
         *("--capacity", str(config.size), "--lease-ttl", repr(float(config.lease_ttl_s))),
+        *("--socket-mode", f"{config.socket_mode:04o}", "--max-clients", str(config.max_clients)),
+        *("--idle-timeout", repr(float(config.idle_timeout_s))),
+        *(arg for uid in config.allow_uids for arg in ("--allow-uid", str(uid))),
         *extra,
     ]
 
@@ -95,12 +108,92 @@ def wait_until_serving(
 
 
 def start_detached(config: PoolConfig, timeout_s: float) -> int:
-    """Start a server in the background unless one serves already; returns its pid (0 if it
-    was already running and no pid file says which)."""
-    if not is_serving(config.socket):
-        proc = spawn_server(config)
-        wait_until_serving(config.socket, timeout_s, proc)
-    return read_pid(config.socket)
+    """Start a server in the background and return its pid once it serves. PoolRunningError
+    if another server serves the path (found there, or it won the race to start);
+    StoreUnavailableError if ours failed to start or did not serve within ``timeout_s``."""
+    if is_serving(config.socket):
+        raise PoolRunningError(config.socket)
+    proc = spawn_server(config)
+    wait_until_serving(config.socket, timeout_s, proc)
+    deadline = time.monotonic() + timeout_s
+    while read_pid(config.socket) != proc.pid:  # ours, or another server that won the race?
+        code = proc.poll()
+        if code == EXIT_RUNNING:
+            raise PoolRunningError(config.socket)
+        if code is not None or time.monotonic() > deadline:
+            raise StoreUnavailableError(
+                f"the pool server for {config.socket} failed to start (exit {code}); "
+                f"see {sibling(config.socket, '.log')}"
+            )
+        time.sleep(0.01)
+    return proc.pid
+
+
+@dataclass(frozen=True)
+class RunningPool:
+    """What a running server says about itself (``running_pool``)."""
+
+    socket: str
+    pid: int  # 0 if no pid file says
+    capacity: int
+    lease_ttl_s: float
+    max_clients: int
+    idle_timeout_s: float
+    socket_mode: int
+
+    def describe(self) -> str:
+        return (
+            f"pid {self.pid or '?'}, capacity {_size(self.capacity)}, lease TTL "
+            f"{self.lease_ttl_s:g} s, max {self.max_clients} clients, idle timeout "
+            f"{self.idle_timeout_s:g} s, socket mode {self.socket_mode:04o}"
+        )
+
+
+def running_pool(path: str, timeout_s: float = 5.0) -> RunningPool:
+    """Ask the server on ``path`` for its settings (StoreUnavailableError if none answers)."""
+    conn = PoolConnection(path, timeout_s)
+    try:
+        code, body = conn.request(p.Op.STATS)
+        hello = conn.hello
+    finally:
+        conn.goodbye()
+        conn.unmap()
+    if code != p.Code.OK:
+        raise StoreUnavailableError(f"the pool server on {path} replied {code.name} to STATS")
+    stats = p.parse_stats(body)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError as exc:
+        raise StoreUnavailableError(f"the pool server's socket {path}: {exc}") from exc
+    return RunningPool(
+        socket=path,
+        pid=read_pid(path),
+        capacity=hello.capacity,
+        lease_ttl_s=hello.lease_ttl_ms / 1000,
+        max_clients=stats.get("max_clients", 0),
+        idle_timeout_s=stats.get("idle_timeout_ms", 0) / 1000,
+        socket_mode=mode,
+    )
+
+
+def differences(config: PoolConfig, running: RunningPool, asked: Collection[str]) -> list[str]:
+    """How ``running`` differs from ``config`` in the settings named in ``asked`` (PoolConfig
+    field names); one phrase each, e.g. ``"capacity 4.0 MiB asked, 8.0 MiB running"``.
+    ``allow_uids`` is not compared: a server does not say whom it allows."""
+    ms = _milliseconds
+    settings = (  # field, its name, (asked, running) as compared, shown
+        ("capacity", "capacity", config.size, running.capacity, _size),
+        ("lease_ttl_s", "lease TTL", ms(config.lease_ttl_s), ms(running.lease_ttl_s), _seconds),
+        ("max_clients", "max clients", config.max_clients, running.max_clients, str),
+        ("idle_timeout_s", "idle timeout", ms(config.idle_timeout_s), ms(running.idle_timeout_s),
+         _seconds),
+        ("socket_mode", "socket mode", config.socket_mode, running.socket_mode, "{:04o}".format),
+    )  # fmt: skip
+    return [
+        f"{name} {show(want)} asked, {show(have)} running"
+        for field, name, want, have, show in settings
+        if field in asked and want != have
+    ]
 
 
 def start_in_background(config: PoolConfig, timeout_s: float) -> None:
@@ -113,7 +206,7 @@ def start_in_background(config: PoolConfig, timeout_s: float) -> None:
         raise StoreUnavailableError(
             f"no pool server on {config.socket} after {timeout_s:g} s"
         ) from exc
-    if done.returncode != 0:
+    if done.returncode not in (0, EXIT_RUNNING):  # a server serves, if not quite ours: use it
         reason = done.stderr.decode("utf-8", "replace").strip()[-400:]
         raise StoreUnavailableError(f"could not start a pool server on {config.socket}: {reason}")
 
@@ -122,6 +215,21 @@ def read_pid(path: str) -> int:
     with contextlib.suppress(OSError, ValueError), open(sibling(path, ".pid")) as f:
         return int(f.read().strip())
     return 0
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit} ({n:,} bytes)"
+    return f"{n:,} bytes"
+
+
+def _milliseconds(seconds: float) -> int:
+    return round(seconds * 1000)  # what the server reports: whole milliseconds
+
+
+def _seconds(ms: int) -> str:
+    return f"{ms / 1000:g} s"
 
 
 def _tail(path: str, n: int = 400) -> str:

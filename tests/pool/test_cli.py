@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+from collections.abc import Callable
 
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow.cli import main
 from kvflow.pool.launch import EXIT_RUNNING, is_serving, read_pid
-from tests.pool.conftest import REPO, live_server_pids, wait_until
+from tests.pool.conftest import REPO, ServeProcess, live_server_pids, wait_until
 
 CAPACITY = 8 << 20
 
@@ -53,7 +60,8 @@ def test_serve_detach_stats_and_stop(sock_dir: str) -> None:
         stats = start("pool", "--socket", path, "stats")
         stats_json = start("pool", "--socket", path, "stats", "--json")
         again = start("serve", "--socket", path, "--capacity", "4MiB")  # foreground
-        detach_again = start("serve", "--detach", "--socket", path, "--capacity", "4MiB")
+        detach_other = start("serve", "--detach", "--socket", path, "--capacity", "4MiB")
+        detach_same = start("serve", "--detach", "--socket", path, "--capacity", "8MiB")
 
         code, out, err = finish(stats)
         assert code == 0, err
@@ -72,15 +80,22 @@ def test_serve_detach_stats_and_stop(sock_dir: str) -> None:
         assert code == EXIT_RUNNING == 3, (out, err)
         assert path in err
 
-        code, out, err = finish(detach_again)
+        # --detach does not pass the running server off as one it started: it says which
+        # server runs, and succeeds only if that one has the settings asked for
+        code, out, err = finish(detach_other)
+        assert code == EXIT_RUNNING, (out, err)
+        assert "already runs" in err and path in err and f"pid {pid}" in err
+        assert "capacity 4.0 MiB (4,194,304 bytes) asked, 8.0 MiB (8,388,608 bytes) running" in err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        code, out, err = finish(detach_same)
         assert code == 0, err
-        assert path in out and str(pid) in out  # the running server, not a second one
+        assert "already running" in out and f"pid {pid}" in out and "nothing started" in out
         assert live_server_pids(path) == [pid]
         assert read_pid(path) == pid
 
         code, out, err = kvflow_cli("pool", "--socket", path, "stop")
         assert code == 0, err
-        assert str(pid) in out
+        assert f"stopped the pool on {path} (pid {pid})" in out
         assert not is_serving(path)
         # `stop` returns once the socket refuses connections; the files go just after
         wait_until(lambda: not os.path.exists(path), 5, "the socket to be removed")
@@ -97,3 +112,103 @@ def test_serve_detach_stats_and_stop(sock_dir: str) -> None:
     finally:
         for leftover in live_server_pids(path):
             os.kill(leftover, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["foreground", "detach"])
+def test_serve_beyond_the_machine_refuses_at_once(sock_dir: str, detach: bool) -> None:
+    path = f"{sock_dir}/pool/pool.sock"
+    code, out, err = kvflow_cli(
+        "serve", "--socket", path, "--capacity", "1TB", *(["--detach"] if detach else [])
+    )
+    assert code == 1, (out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "1,000,000,000,000 bytes" in err  # what was asked
+    assert "MemAvailable in /proc/meminfo" in err  # what there is
+    assert "use a smaller --capacity" in err  # what to do
+    assert not os.path.exists(os.path.dirname(path))  # no socket, lock, pid or log file
+    assert not live_server_pids(path)
+
+
+def test_detach_keeps_every_setting_and_compares_those_given(sock_dir: str) -> None:
+    path = f"{sock_dir}/pool.sock"
+    settings = ("--socket-mode", "0640", "--max-clients", "3", "--idle-timeout", "7")
+    try:
+        code, out, err = kvflow_cli(
+            "serve", "--detach", "--socket", path, "--capacity", "4MiB", *settings
+        )
+        assert code == 0, err
+        pid = read_pid(path)
+        assert f"pid {pid}" in out
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+        code, out, err = kvflow_cli("pool", "--socket", path, "stats", "--json")
+        assert code == 0, err
+        shown = json.loads(out)
+        assert (shown["max_clients"], shown["idle_timeout_ms"]) == (3, 7000)
+
+        same = start("serve", "--detach", "--socket", path, "--capacity", "4MiB", *settings)
+        nothing_given = start("serve", "--detach", "--socket", path)
+        other = start("serve", "--detach", "--socket", path, "--idle-timeout", "8")
+        for proc in (same, nothing_given):
+            code, out, err = finish(proc)
+            assert code == 0 and "already running" in out and f"pid {pid}" in out, (out, err)
+        code, out, err = finish(other)
+        assert code == EXIT_RUNNING, (out, err)
+        assert "idle timeout 8 s asked, 7 s running" in err and f"pid {pid}" in err
+        assert live_server_pids(path) == [pid]
+    finally:
+        kvflow_cli("pool", "--socket", path, "stop")
+        for leftover in live_server_pids(path):
+            os.kill(leftover, signal.SIGKILL)
+
+
+def test_the_connection_limit_tells_the_refused_client(
+    sock_dir: str, serve: Callable[..., ServeProcess]
+) -> None:
+    """A client holding a session fills a pool limited to one connection: another is told so,
+    in one line. Once the first has ended its session and stayed idle for the timeout, clients
+    get in again, the refusal and the idle close are counted, and the first client's next call
+    works (it reconnects)."""
+    path = f"{sock_dir}/pool.sock"
+    serve(path, "4MiB", "--max-clients", "1", "--idle-timeout", "1")
+    store = kvflow.SharedStore(socket=path)
+    try:
+        writing = store.open_write(["k"], 8192)  # not idle while this is open
+        code, out, err = kvflow_cli("pool", "--socket", path, "stats")
+        assert code == 1 and out == "", (out, err)
+        assert len(err.strip().splitlines()) == 1, err
+        assert "refused the connection" in err and "limit of 1 connections" in err
+        assert "--max-clients" in err and "reset by peer" not in err
+        store.finish_write(writing, np.zeros(1, dtype=bool))
+
+        def stats() -> dict[str, int] | None:
+            code, out, _ = kvflow_cli("pool", "--socket", path, "stats", "--json")
+            return json.loads(out) if code == 0 else None
+
+        shown = wait_until(stats, 60, "room on the pool again", interval=0.2)
+        assert shown["refused_limit"] >= 1 and shown["idle_closed"] >= 1
+        assert store.lookup(["k"]).tolist() == [False]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["serve", "--socket-mode", "9"], "argument --socket-mode: expected permission bits"),
+        (["serve", "--socket-mode", "0o1777"], "argument --socket-mode: expected permission"),
+        (["serve", "--capacity", "8XB"], "argument --capacity: expected a size such as 8GiB"),
+        (["serve", "--idle-timeout", "0"], "argument --idle-timeout: expected a number of"),
+        (["serve", "--lease-ttl", "inf"], "argument --lease-ttl: expected a number of"),
+        (["serve", "--max-clients", "many"], "argument --max-clients: expected an integer >= 1"),
+        (["serve", "--allow-uid", "-1"], "argument --allow-uid: expected a user id"),
+        (["pool", "stop", "--timeout", "x"], "argument --timeout: expected a number of seconds"),
+    ],
+)
+def test_bad_option_values_name_the_option(
+    args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(args)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err and "<lambda>" not in err, err
