@@ -1,4 +1,4 @@
-"""The bookkeeping of a slot arena: slots, two-phase writes, leases, LRU eviction.
+"""The bookkeeping of a slot arena: slots, two-phase writes, leases, tail-first LRU eviction.
 
 ``ArenaIndex`` knows nothing about where the arena's bytes live; it hands out offsets. The
 embedded LocalStore wraps it around a host buffer, and a store that keeps the arena elsewhere can
@@ -7,12 +7,29 @@ reuse it unchanged. Not thread-safe: the owner serialises calls.
 Slots are fixed-size per object size: the first object of a size carves slots of that size from
 the free space, and freed slots are reused for objects of the same size. One layout means one
 object size, so a pool serving one model never fragments.
+
+Eviction takes the least recently used committed, unleased object of the slot size needed, and
+every call touches its keys last to first. Chunk keys are prefix-chained: a chunk is of use only
+while every chunk before it is stored, and callers name a prompt's chunks in prefix order. So
+within a call the head ends up more recently used than the tail, and eviction takes a prefix's
+tail before its head instead of leaving a tail that no lookup reaches. The touches:
+
+* ``lookup`` and ``open_read`` (whose leases go back into the order at ``close_read``, last to
+  first): every key found;
+* ``open_write``: the keys that exist, before anything is allocated; an allocation never evicts
+  a key of its own call (a prompt's head is not evicted to store its tail: ``NO_SPACE``);
+* ``finish_write``: all of ``open_write``'s keys, last to first, the new ones committed and the
+  existing ones touched again, so extending a prefix leaves its head, not its new tail, the most
+  recently used.
+
+A caller that names only a prefix's later chunks (a save of just the new chunks) orders those
+among themselves; the chunks it does not name keep their place.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,8 +58,9 @@ class _Entry:
 @dataclass
 class _Session:
     writing: bool
-    keys: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # leased (read) or granted (write) keys
     positions: list[int] = field(default_factory=list)  # index of each key in open_write's keys
+    named: Sequence[str] = ()  # a write's keys as open_write got them, touched again at commit
 
 
 class ArenaIndex:
@@ -52,7 +70,8 @@ class ArenaIndex:
         self.capacity = capacity
         self._entries: dict[str, _Entry] = {}
         # committed, unleased objects (evictable), oldest first, one LRU per slot size: finding
-        # a victim of the size needed is O(1) whatever else the arena holds
+        # a victim of the size needed is O(1) whatever else the arena holds. Calls touch their
+        # keys last to first (see the module's docstring)
         self._lru: dict[int, OrderedDict[str, None]] = {}
         self._free: dict[int, list[int]] = {}
         self._bump = 0
@@ -67,12 +86,12 @@ class ArenaIndex:
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray:
         found = np.zeros(len(keys), dtype=bool)
-        for i, key in enumerate(keys):
-            entry = self._entries.get(key)
+        for i in range(len(keys) - 1, -1, -1):  # last to first: a prefix's head ends up newest
+            entry = self._entries.get(keys[i])
             if entry is not None and entry.committed:
                 found[i] = True
                 if entry.leases == 0:
-                    self._lru_of(entry).move_to_end(key)
+                    self._lru_of(entry).move_to_end(keys[i])
         hits = int(found.sum())
         self.hits += hits
         self.misses += len(keys) - hits
@@ -100,14 +119,12 @@ class ArenaIndex:
             raise InvalidArgumentError("nbytes", nbytes, "must be an integer >= 1")
         offsets = np.zeros(len(keys), dtype=np.int64)
         status = np.full(len(keys), WriteStatus.EXISTS, dtype=np.int8)
-        session = _Session(writing=True)
-        for i, key in enumerate(keys):
-            entry = self._entries.get(key)
-            if entry is not None:
-                if entry.committed and entry.leases == 0:
-                    self._lru_of(entry).move_to_end(key)
+        session = _Session(writing=True, named=tuple(keys))
+        touched = {key for key in reversed(session.named) if self._touch(key)}
+        for i, key in enumerate(session.named):
+            if key in self._entries:
                 continue
-            offset = self._allocate(nbytes)
+            offset = self._allocate(nbytes, spare=touched)
             if offset is None:
                 status[i] = WriteStatus.NO_SPACE
                 self.no_space += 1
@@ -122,9 +139,16 @@ class ArenaIndex:
 
     def finish_write(self, handle: int, ok: np.ndarray) -> None:
         """Commit the granted keys whose flag (at the key's position in ``open_write``) is set;
-        abort the others. An empty ``ok`` aborts everything."""
+        abort the others. An empty ``ok`` aborts everything. Every key of ``open_write`` is
+        touched, last to first: the committed ones join the LRU, the existing ones move up."""
         session = self._close(handle, writing=True)
-        for key, pos in zip(session.keys, session.positions, strict=True):
+        granted = len(session.keys) - 1
+        for pos in range(len(session.named) - 1, -1, -1):
+            if granted < 0 or session.positions[granted] != pos:
+                self._touch(session.named[pos])
+                continue
+            key = session.keys[granted]
+            granted -= 1
             entry = self._entries[key]
             if pos < len(ok) and ok[pos]:
                 entry.committed = True
@@ -155,7 +179,9 @@ class ArenaIndex:
         return self._open(session), offsets, found, sizes
 
     def close_read(self, handle: int) -> None:
-        for key in self._close(handle, writing=False).keys:
+        """Release the session's leases; objects no longer leased rejoin the LRU, last to
+        first."""
+        for key in reversed(self._close(handle, writing=False).keys):
             entry = self._entries[key]
             entry.leases -= 1
             self._leases -= 1
@@ -185,7 +211,18 @@ class ArenaIndex:
         del self._sessions[handle]
         return session
 
-    def _allocate(self, nbytes: int) -> int | None:
+    def _touch(self, key: str) -> bool:
+        """Make ``key`` the most recently used if it is committed and unleased."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.committed or entry.leases:
+            return False
+        self._lru_of(entry).move_to_end(key)
+        return True
+
+    def _allocate(self, nbytes: int, spare: Container[str]) -> int | None:
+        """A slot for ``nbytes``: a freed one, new space, or the least recently used object's,
+        unless that is in ``spare`` (the keys the calling ``open_write`` touched: they are the
+        newest, so only they are left)."""
         slot = slot_bytes(nbytes)
         free = self._free.get(slot)
         if free:
@@ -195,7 +232,7 @@ class ArenaIndex:
             self._bump += slot
             return offset
         lru = self._lru.get(slot)
-        if lru:  # the least recently used object of this slot size
+        if lru and next(iter(lru)) not in spare:  # the least recently used of this slot size
             key, _ = lru.popitem(last=False)
             entry = self._entries.pop(key)
             self._used -= entry.size
