@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -44,7 +45,24 @@ def _parser(scenarios_needed: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code. A reader that goes away (``kvflow pool stats | head -1``)
+    ends the command quietly, whatever the command."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here rather than at exit
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit writes nowhere
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     args = _parser(scenarios_needed="bench" in words[:1] or not words).parse_args(words)
     if args.command != "bench":
@@ -52,8 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.module is None:
         print(f"kvflow bench {args.scenario}: {args.error}", file=sys.stderr)
         return 2
+    from kvflow.bench.common import check_output_path  # imports torch, as every scenario does
+
     report = Report()
     try:
+        for option in ("json", "plot"):  # before the run: a bad path must not cost its results
+            if getattr(args, option, None):
+                check_output_path(getattr(args, option), f"--{option}")
         result = args.module.run(args, report)
     except KVFlowError as exc:  # a bad option or a failed run: say what, no traceback
         print(f"kvflow bench {args.scenario}: {exc}", file=sys.stderr)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvflow.config import EngineConfig, parse_size
-from kvflow.errors import MissingDependencyError
+from kvflow.errors import ConfigError, MissingDependencyError
 from kvflow.layout import KVLayout
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
 from kvflow.pipeline.executor import PinnedExecutor
@@ -41,6 +41,7 @@ __all__ = [
     "CopyBench",
     "Memcpy",
     "best_times",
+    "check_output_path",
     "cpu_list",
     "figure",
     "fmt_bytes",
@@ -87,6 +88,25 @@ def int_list(text: str) -> list[int]:
 
 def cpu_list(text: str) -> tuple[int, ...]:
     return tuple(int_list(text))
+
+
+def check_output_path(path: str, option: str) -> None:
+    """Before a run, refuse an output file (``--json``, ``--plot``) that could not be written
+    after it: its folder is created, as writing it would, and must be writable, and the path
+    must not be a folder. Raises ConfigError naming ``option``."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocked = isinstance(exc, (FileExistsError, NotADirectoryError))
+        why = "a file is in the way" if blocked else exc.strerror
+        raise ConfigError(
+            option, path, f"cannot create its folder {target.parent}: {why}"
+        ) from None
+    if target.is_dir():
+        raise ConfigError(option, path, "is a folder; give a file name")
+    if not os.access(target if target.exists() else target.parent, os.W_OK):
+        raise ConfigError(option, path, "cannot be written (permissions or a read-only folder)")
 
 
 def pick(value: Any, quick: bool, full: Any, small: Any) -> Any:
