@@ -71,18 +71,18 @@ async def main(args: argparse.Namespace) -> None:
     )
     async with kvflow.TransferEngine(layout, store, config) as engine:
         t0 = time.perf_counter()
-        save = await engine.start_save([(tokens, src)])
-        for layer in range(layout.num_layers):  # as the forward pass finishes each layer
-            await save.layer_written(layer)
-        saved = await save.wait()
+        async with await engine.start_save([(tokens, src)]) as save:
+            for layer in range(layout.num_layers):  # as the forward pass finishes each layer
+                await save.layer_written(layer)
+            saved = await save.wait()
         t_save = time.perf_counter() - t0
 
         hit = await engine.lookup(tokens)
         t0 = time.perf_counter()
-        load = await engine.start_load([(tokens[:hit], dst[: hit // args.block_size])])
-        for layer in range(layout.num_layers):  # as attention reaches each layer
-            await load.wait_layer(layer)
-        loaded = await load.wait()
+        async with await engine.start_load([(tokens[:hit], dst[: hit // args.block_size])]) as load:
+            for layer in range(layout.num_layers):  # as attention reaches each layer
+                await load.wait_layer(layer)
+            loaded = await load.wait()
         t_load = time.perf_counter() - t0
         stats = engine.stats()
 

@@ -7,10 +7,10 @@ store = kvflow.LocalStore("8GiB")
 async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(model="m")) as engine:
     await engine.save(token_ids, block_ids)
     hit = await engine.lookup(token_ids)
-    handle = await engine.start_load([(token_ids[:hit], block_ids[: hit // 16])])
-    for layer in range(layout.num_layers):
-        await handle.wait_layer(layer)   # layer i is in device memory; compute it
-    result = await handle.wait()
+    async with await engine.start_load([(token_ids[:hit], block_ids[: hit // 16])]) as load:
+        for layer in range(layout.num_layers):
+            await load.wait_layer(layer)  # layer i is in device memory; compute it
+        result = await load.wait()        # leaving early (error, cancellation) aborts the load
 """
 
 from kvflow.config import EngineConfig, parse_size, spare_cpus
