@@ -9,6 +9,9 @@ LocalStore, in one run.
   a save and for a lookup + load, at several layer counts.
 * lookup of many keys in one call: the latency of ``store.lookup`` over 4096 chunk keys, all
   stored, on each pool.
+* eviction under pressure: a prompt mix replayed through a pool holding a fraction of its
+  chunks; the share of the used bytes a lookup reaches and the hit rate, under the pools'
+  tail-first eviction and under the plain LRU before it (``kvflow.bench.eviction``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.bench import eviction
 from kvflow.bench.common import figure, fmt_bytes, int_list, pick, save, size_arg, small_layout
 from kvflow.bench.report import Report
 from kvflow.bench.stores import bench_store
@@ -51,6 +55,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--round-trip-layers", type=int_list, default=[8, 32, 61], help="layer counts counted"
     )
     parser.add_argument("--lookup-keys", type=int, default=4096, help="keys in one lookup")
+    parser.add_argument(
+        "--eviction-requests", type=int, default=None, help="requests in the eviction mix (3000)"
+    )
+    parser.add_argument(
+        "--eviction-pool", type=int, default=None, help="chunks the eviction pool holds (96)"
+    )
+    parser.add_argument(
+        "--eviction-checkpoints",
+        type=int,
+        default=None,
+        help="points of the mix where reachability is read (4)",
+    )
 
 
 def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
@@ -59,6 +75,12 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     repeats = pick(args.repeats, args.quick, 9, 5)
     tensors, layout = small_layout(args.layers, 2 * blocks, block_bytes)
     nbytes = layout.object_bytes(CHUNK) * (blocks // CHUNK)
+    evict_sizes = (
+        pick(args.eviction_requests, args.quick, 3000, 800),
+        pick(args.eviction_pool, args.quick, 96, 48),
+        pick(args.eviction_checkpoints, args.quick, 4, 2),
+    )
+    eviction.check(*evict_sizes)
     report.note(
         f"pool: {args.layers} layers x {blocks} blocks x {fmt_bytes(block_bytes)} = "
         f"{fmt_bytes(nbytes)} per request, {repeats} interleaved rounds"
@@ -67,13 +89,29 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     round_trips = _round_trips(args.round_trip_layers, report)
     lookups = _lookups(args.lookup_keys, repeats, report)
     del tensors
-    result = {"throughput": throughput, "round_trips": round_trips, "lookup": lookups}
+    evicting = eviction.run(*evict_sizes)
+    report.note("eviction mix replayed")
+    result = {
+        "throughput": throughput,
+        "round_trips": round_trips,
+        "lookup": lookups,
+        "eviction": evicting,
+    }
     _print(result, report)
     ok = all(v >= 0.9 for v in throughput["ratio_copy"].values())
     constant = (
         len({r["save"] for r in round_trips}) == 1 and len({r["load"] for r in round_trips}) == 1
     )
-    result["targets"] = {"copy_ratio_ge_0.90": ok, "round_trips_constant": constant}
+    reachable = all(
+        r["reachable_min"] >= 0.99
+        for r in evicting["rows"]
+        if r["pattern"] == "whole" and r["pool"] != "before"
+    )
+    result["targets"] = {
+        "copy_ratio_ge_0.90": ok,
+        "round_trips_constant": constant,
+        "reachable_ge_0.99": reachable,
+    }
     result["config"] = {
         "layers": args.layers,
         "block_bytes": block_bytes,
@@ -255,13 +293,40 @@ def _print(result: dict[str, Any], report: Report) -> None:
         ["pool", "median", "min"],
         [(k, f"{lk[k]['median_ms']:.2f}", f"{lk[k]['min_ms']:.2f}") for k in KINDS],
     )
+    ev = result["eviction"]
+    by = {(r["pattern"], r["pool"]): r for r in ev["rows"]}
+    report.table(
+        f"eviction: {ev['requests']} requests ({ev['distinct_chunks']} distinct chunks) through "
+        f"a pool of {ev['pool_chunks']} chunks; reachable: share of the used bytes a lookup "
+        f"reaches (mean of {ev['checkpoints']} points, worst in brackets)",
+        ["saves", "policy", "pool", "reachable", "hit rate"],
+        [
+            (
+                "whole prompt" if pattern == "whole" else f"new chunks, {ev['segment']} a call",
+                "plain LRU (before)" if pool == "before" else "tail-first",
+                "model" if pool == "before" else pool,
+                f"{r['reachable']:.1%} ({r['reachable_min']:.1%})",
+                f"{r['hit_rate']:.1%}",
+            )
+            for (pattern, pool), r in by.items()
+        ],
+    )
+    report.table(
+        "eviction: tail-first (local) over plain LRU",
+        ["saves", "reachable", "hit rate"],
+        [
+            (pattern, f"x{q['reachable']:.3f}", f"x{q['hit_rate']:.3f}")
+            for pattern, q in ev["ratio"].items()
+        ],
+    )
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """Throughput of save and load on each pool (copy alone, and whole request; left) and the
-    server round trips per request batch against the layer count (right)."""
+    """Throughput of save and load on each pool (copy alone, and whole request; left), the
+    server round trips per request batch against the layer count (middle), and what eviction
+    leaves of use, before and after (right)."""
     t = result["throughput"]
-    fig, (bars, trips) = figure(1, 2, figsize=(12, 4.6))
+    fig, (bars, trips, kept) = figure(1, 3, figsize=(18, 4.6))
     labels = ["save copy", "load copy", "save request", "load request"]
     keys = ["save_copy", "load_copy", "save", "load"]
     x = np.arange(len(keys))
@@ -289,4 +354,32 @@ def plot(result: dict[str, Any], path: str) -> None:
     trips.set_ylim(0, max(r["load"] for r in rows) + 2)
     trips.grid(alpha=0.3)
     trips.legend()
+    _plot_eviction(kept, result["eviction"])
     save(fig, path)
+
+
+def _plot_eviction(ax: Any, ev: dict[str, Any]) -> None:
+    by = {(r["pattern"], r["pool"]): r for r in ev["rows"]}
+    labels = [
+        f"{what}\n{pattern} saves"
+        for pattern in eviction.PATTERNS
+        for what in ("reachable", "hit rate")
+    ]
+    x = np.arange(len(labels))
+    for offset, pool, color, name in (
+        (-0.2, "before", "tab:gray", "plain LRU (before)"),
+        (0.2, "local", "tab:blue", "tail-first"),
+    ):
+        values = [
+            by[pattern, pool][what] * 100
+            for pattern in eviction.PATTERNS
+            for what in ("reachable", "hit_rate")
+        ]
+        ax.bar(x + offset, values, width=0.4, color=color, label=name)
+    ax.set_xticks(x, labels)
+    ax.set(
+        ylabel="%",
+        ylim=(0, 119),
+        title=f"eviction: {ev['requests']} requests, pool of {ev['pool_chunks']} chunks",
+    )
+    ax.legend(loc="upper center", ncol=2)

@@ -52,6 +52,7 @@ def test_pool(tmp_path: Path) -> None:
     result = bench(
         tmp_path, "pool", "--layers", "2", "--block-bytes", "4KiB", "--blocks", "32",
         "--repeats", "1", "--round-trip-layers", "2,5", "--lookup-keys", "64",
+        "--eviction-requests", "300", "--eviction-pool", "24", "--eviction-checkpoints", "2",
     )  # fmt: skip
     t = result["throughput"]
     assert t["bytes"] == 2 * 32 * 4096
@@ -62,6 +63,18 @@ def test_pool(tmp_path: Path) -> None:
     assert [r["layers"] for r in result["round_trips"]] == [2, 5]
     assert {(r["save"], r["load"]) for r in result["round_trips"]} == {(2, 3)}
     assert result["targets"]["round_trips_constant"] is True
+    ev = result["eviction"]
+    assert (ev["requests"], ev["pool_chunks"]) == (300, 24)
+    assert ev["distinct_chunks"] > 4 * ev["pool_chunks"]  # under pressure
+    rows = {(r["pattern"], r["pool"]): r for r in ev["rows"]}
+    assert set(rows) == {(p, k) for p in ("whole", "new") for k in ("before", "local", "shared")}
+    for p in ("whole", "new"):  # one index behind both pools: the same figures
+        assert {k: v for k, v in rows[p, "local"].items() if k != "pool"} == {
+            k: v for k, v in rows[p, "shared"].items() if k != "pool"
+        }
+    assert rows["whole", "local"]["reachable_min"] == 1.0
+    assert result["targets"]["reachable_ge_0.99"] is True
+    assert 0 < rows["whole", "before"]["hit_rate"] <= rows["whole", "local"]["hit_rate"] < 1
 
 
 def test_mooncake(tmp_path: Path) -> None:
