@@ -157,6 +157,8 @@ def add_commands(commands: Any) -> None:
     stop = actions.add_parser("stop", help="stop the server (SIGTERM) and wait for it")
     stop.add_argument("--timeout", type=_seconds, default=10.0, metavar="SECONDS")
     stop.set_defaults(handler=_stop)
+    for action in (stats, stop):  # `pool stats --socket S` as well as `pool --socket S stats`
+        action.add_argument("--socket", default=argparse.SUPPRESS, help="socket path")
 
 
 def _serve(args: argparse.Namespace) -> int:

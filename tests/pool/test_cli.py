@@ -58,7 +58,7 @@ def test_serve_detach_stats_and_stop(sock_dir: str) -> None:
 
         # several commands at once against the running server
         stats = start("pool", "--socket", path, "stats")
-        stats_json = start("pool", "--socket", path, "stats", "--json")
+        stats_json = start("pool", "stats", "--json", "--socket", path)  # either place
         again = start("serve", "--socket", path, "--capacity", "4MiB")  # foreground
         detach_other = start("serve", "--detach", "--socket", path, "--capacity", "4MiB")
         detach_same = start("serve", "--detach", "--socket", path, "--capacity", "8MiB")
@@ -93,7 +93,7 @@ def test_serve_detach_stats_and_stop(sock_dir: str) -> None:
         assert live_server_pids(path) == [pid]
         assert read_pid(path) == pid
 
-        code, out, err = kvflow_cli("pool", "--socket", path, "stop")
+        code, out, err = kvflow_cli("pool", "stop", "--socket", path)
         assert code == 0, err
         assert f"stopped the pool on {path} (pid {pid})" in out
         assert not is_serving(path)
