@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvflow import trace
 from kvflow.config import EngineConfig
 from kvflow.devices import DeviceOps, device_kind, device_ops
 from kvflow.errors import ClosedError, KVFlowError, LayoutError, TransferTimeoutError
@@ -312,28 +313,34 @@ class TransferEngine:
         first = args[0] if args else None  # keys, or a session that carries them
         keys = first if isinstance(first, (tuple, list)) else getattr(first, "keys", ())
         self._stats.keys_touched += len(keys)
-        if self.store.inline_metadata:
-            future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-            try:
-                future.set_result(fn(*args))
-            except KVFlowError as exc:
-                future.set_exception(exc)
-        else:
-            future = asyncio.get_running_loop().run_in_executor(self._meta_pool, fn, *args)
-        timeout = self.config.op_timeout_s
+        begun = trace.now() if trace.ENABLED else 0
         try:
-            finished = await future_within(future, timeout)
-        except asyncio.CancelledError:
-            if on_late is not None:  # what the call reserves is released when it returns
-                future.add_done_callback(lambda f: _late(f, on_late))
-            raise
-        name = getattr(fn, "__name__", repr(fn))
-        if not finished:
-            self._stats.timeouts += 1
-            if on_late is not None:
-                future.add_done_callback(lambda f: _late(f, on_late))
-            raise TransferTimeoutError(f"store.{name}", timeout)
-        return future.result()
+            if self.store.inline_metadata:
+                future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+                try:
+                    future.set_result(fn(*args))
+                except KVFlowError as exc:
+                    future.set_exception(exc)
+            else:
+                future = asyncio.get_running_loop().run_in_executor(self._meta_pool, fn, *args)
+            timeout = self.config.op_timeout_s
+            try:
+                finished = await future_within(future, timeout)
+            except asyncio.CancelledError:
+                if on_late is not None:  # what the call reserves is released when it returns
+                    future.add_done_callback(lambda f: _late(f, on_late))
+                raise
+            name = getattr(fn, "__name__", repr(fn))
+            if not finished:
+                self._stats.timeouts += 1
+                if on_late is not None:
+                    future.add_done_callback(lambda f: _late(f, on_late))
+                raise TransferTimeoutError(f"store.{name}", timeout)
+            return future.result()
+        finally:
+            if begun:
+                name = getattr(fn, "__name__", "call")
+                trace.complete(f"store.{name}", begun, "store", keys=len(keys))
 
     def _late_read(self, session: Any) -> None:
         self._meta_pool.submit(_quiet, self.store.close_read, session)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvflow import trace
 from kvflow._validate import check_timeout
 from kvflow.errors import ClosedError, InvalidArgumentError, TransferTimeoutError
 from kvflow.pipeline.transfer import BatchTransfer
@@ -91,11 +92,14 @@ class LoadHandle(BatchTransfer):
         timeout = check_timeout(timeout)
         timeout = self._engine.config.op_timeout_s if timeout is None else timeout
         start = time.perf_counter()
+        begun = trace.now() if trace.ENABLED else 0
         self._consume(layer - 1)
         try:
             ready = await self._abort_on_cancel(event_within(self._events[layer], timeout))
         finally:
             self._engine._record_wait(layer, time.perf_counter() - start)
+            if trace.ENABLED:
+                trace.complete("wait_layer", begun, "wait", layer=layer)
         if not ready:
             raise TransferTimeoutError(f"load of layer {layer}", timeout)
         self._consume(layer)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
+from kvflow import trace
 from kvflow._validate import check_timeout
 from kvflow.config import EngineConfig
 from kvflow.devices import DeviceOps
@@ -314,7 +315,11 @@ class SyncLoadHandle(_Opening[LoadHandle]):
         if layer > self._passed + 1:  # layers skipped: they must not hold the window shut
             loop.call_soon_threadsafe(h._consume, layer - 1)
         start = time.perf_counter()
+        if trace.ENABLED:
+            begun = trace.now()
         ready = h.layer_events[layer].wait(limit)
+        if trace.ENABLED:
+            trace.complete("wait_layer", begun, "wait", layer=layer, ready=ready)
         loop.call_soon_threadsafe(h._passed_layer, layer, time.perf_counter() - start, ready)
         if not ready:
             raise TransferTimeoutError(f"load of layer {layer}", limit)
@@ -337,11 +342,15 @@ class SyncSaveHandle(_Opening[SaveHandle]):
         layer is handed to the loop without waiting), blocks (at most ``timeout``) when full.
         The first call also waits for the store session to open."""
         timeout = check_timeout(timeout)
+        if trace.ENABLED:
+            begun = trace.now()
         h = self._opened(timeout)
         layer, limit = h._claim(layer, timeout)
         token = h._engine._device.layer_written(layer)  # on the caller's thread (its stream)
         if not h._backlog.take_blocking(limit):
             h._unclaim(layer, limit)
+        if trace.ENABLED:
+            trace.complete("layer_written", begun, "wait", layer=layer)
         if h._closed:
             raise ClosedError("SaveHandle")
         self._owner._loop.call_soon_threadsafe(h._queue_layer, layer, token)

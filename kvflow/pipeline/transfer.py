@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from kvflow import trace
 from kvflow._validate import check_timeout
 from kvflow.errors import KVFlowError, TransferTimeoutError
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
@@ -197,10 +198,16 @@ class BatchTransfer:
             self.layer_events[layer].set()
             self._loop.call_soon_threadsafe(self._events[layer].set)
 
+        if trace.ENABLED:
+            start = trace.now()
         with device.copying(self.direction, token, on_issued if loading else None):
             failed = self._engine.store.batch_copy(
                 ranges.pool, ranges.local, ranges.sizes, self.direction
             )
+        if trace.ENABLED:
+            name = "load_copy" if loading else "save_copy"
+            nbytes = int(ranges.sizes.sum())
+            trace.complete(name, start, "copy", layer=layer, ranges=len(ranges), bytes=nbytes)
         if loading and not issued:
             self.loaded_tokens[layer] = device.layer_loaded(layer)
             if len(failed) == 0:  # the fast path: a waiting consumer wakes without a loop hop

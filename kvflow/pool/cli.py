@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from kvflow import trace
 from kvflow.config import parse_size
 from kvflow.errors import KVFlowError, PoolRunningError, StoreError
 from kvflow.pool.client import query_stats
@@ -23,6 +24,7 @@ from kvflow.pool.launch import (
     running_pool,
     start_detached,
 )
+from kvflow.pool.metrics import DEFAULT_METRICS_HOST, MetricsEndpoint, require_client
 from kvflow.pool.paths import check_socket_path, default_socket
 from kvflow.pool.server import (
     DEFAULT_CAPACITY,
@@ -76,6 +78,13 @@ def _count(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 0-65535 (0: any free), got {text!r}")
     return value
 
 
@@ -138,6 +147,19 @@ def add_commands(commands: Any) -> None:
         f"clients reconnect on their next call (default {DEFAULT_IDLE_TIMEOUT_S:g})",
     )
     serve.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve the pool's counters for Prometheus on http://HOST:PORT/metrics "
+        "(needs kvflow[metrics])",
+    )
+    serve.add_argument(
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        metavar="HOST",
+        help=f"the address --metrics-port binds (default {DEFAULT_METRICS_HOST})",
+    )
+    serve.add_argument(
         "--detach",
         action="store_true",
         help="run in the background; if a pool already runs on the socket, succeed only if it "
@@ -170,30 +192,47 @@ def _serve(args: argparse.Namespace) -> int:
     if "allow_uids" in given:
         given["allow_uids"] = tuple(given["allow_uids"])
     config = PoolConfig(socket=args.socket, **given)
+    metrics_args: tuple[str, ...] = ()
+    if args.metrics_port is not None:
+        require_client()  # before anything starts
+        metrics_args = ("--metrics-port", str(args.metrics_port))
+        metrics_args += ("--metrics-host", args.metrics_host)
     if is_serving(config.socket):
         return _already_running(config, set(given), args.detach)
     hint = "use a smaller --capacity or free memory"
     check_capacity(config.size, args.capacity or DEFAULT_CAPACITY, hint=hint)
     if args.detach:
         try:
-            pid = start_detached(config, args.start_timeout)
+            pid = start_detached(config, args.start_timeout, *metrics_args)
         except PoolRunningError:  # another server won the race to start
             return _already_running(config, set(given), args.detach)
         print(f"kvflow pool: serving on {config.socket} (pid {pid}); log {config.socket}.log")
         print(f"  clients: kvflow.SharedStore(socket={config.socket!r})")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    trace.set_role("pool")
     server = PoolServer(config)
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = MetricsEndpoint(server.stats, args.metrics_port, args.metrics_host)
+        metrics.start()  # a port taken is refused before the pool starts
     try:
-        server.start()
-    except PoolRunningError:
-        return _already_running(config, set(given), args.detach)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server.stop())
-    print(f"kvflow pool: serving {config.size} bytes on {config.socket} (pid {os.getpid()})")
-    print(f"  clients: kvflow.SharedStore(socket={config.socket!r})", flush=True)
-    while not server.wait(1.0):
-        pass
+        try:
+            server.start()
+        except PoolRunningError:
+            return _already_running(config, set(given), args.detach)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.stop())
+        print(f"kvflow pool: serving {config.size} bytes on {config.socket} (pid {os.getpid()})")
+        print(f"  clients: kvflow.SharedStore(socket={config.socket!r})")
+        if metrics is not None:
+            print(f"  metrics: {metrics.url}")
+        sys.stdout.flush()
+        while not server.wait(1.0):
+            pass
+    finally:
+        if metrics is not None:
+            metrics.stop()
     return 0
 
 

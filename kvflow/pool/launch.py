@@ -66,10 +66,11 @@ def serve_command(config: PoolConfig, *extra: str) -> list[str]:
     ]
 
 
-def spawn_server(config: PoolConfig) -> subprocess.Popen[bytes]:
-    """Start ``kvflow serve`` for ``config`` in a new session, logging beside the socket."""
+def spawn_server(config: PoolConfig, *extra: str) -> subprocess.Popen[bytes]:
+    """Start ``kvflow serve`` for ``config`` (and ``extra`` options) in a new session, logging
+    beside the socket."""
     ensure_private_directory(os.path.dirname(config.socket))
-    cmd = serve_command(config)
+    cmd = serve_command(config, *extra)
     log_path = sibling(config.socket, ".log")
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
@@ -107,13 +108,14 @@ def wait_until_serving(
         delay = min(delay * 2, 0.1)
 
 
-def start_detached(config: PoolConfig, timeout_s: float) -> int:
-    """Start a server in the background and return its pid once it serves. PoolRunningError
+def start_detached(config: PoolConfig, timeout_s: float, *extra: str) -> int:
+    """Start a server (``extra``: more ``kvflow serve`` options, such as ``--metrics-port``) in
+    the background and return its pid once it serves. PoolRunningError
     if another server serves the path (found there, or it won the race to start);
     StoreUnavailableError if ours failed to start or did not serve within ``timeout_s``."""
     if is_serving(config.socket):
         raise PoolRunningError(config.socket)
-    proc = spawn_server(config)
+    proc = spawn_server(config, *extra)
     wait_until_serving(config.socket, timeout_s, proc)
     deadline = time.monotonic() + timeout_s
     while read_pid(config.socket) != proc.pid:  # ours, or another server that won the race?

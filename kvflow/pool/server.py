@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvflow import trace
 from kvflow.config import _positive_float, from_dict, parse_size
 from kvflow.errors import (
     ConfigError,
@@ -441,12 +442,18 @@ class PoolServer:
 
     def handle(self, client: _Client, request: p.Request) -> tuple[p.Code, bytes]:
         """Apply one decoded request for ``client``; returns the reply's code and body."""
-        with self._lock:
-            self._counters["requests"] += 1
-            try:
-                return self._apply(client, request)
-            except InvalidArgumentError as exc:
-                return p.Code.INVALID_ARGUMENT, _reason(str(exc))
+        begun = trace.now() if trace.ENABLED else 0
+        try:
+            with self._lock:
+                self._counters["requests"] += 1
+                try:
+                    return self._apply(client, request)
+                except InvalidArgumentError as exc:
+                    return p.Code.INVALID_ARGUMENT, _reason(str(exc))
+        finally:
+            if begun:
+                op = f"pool.{request.op.name.lower()}"
+                trace.complete(op, begun, "pool", client=client.pid, keys=len(request.keys))
 
     def _apply(self, client: _Client, req: p.Request) -> tuple[p.Code, bytes]:
         index = self._index
