@@ -48,7 +48,8 @@ class KVLayout:
 
     Build one with ``from_tensors`` (``[num_blocks, ...]`` per layer, or a tuple of such
     tensors per layer), ``from_kv_split_tensors`` (``[2, num_blocks, ...]``: K and V are two
-    parts) or ``from_mla_tensors`` (``[num_blocks, block_size, dim]``). The layout keeps the
+    parts) or ``from_mla_tensors`` (``[num_blocks, block_size, dim]``, or with a unit head
+    dimension ``[num_blocks, 1, block_size, dim]``). The layout keeps the
     tensors alive while it exists. Immutable and safe to share between threads.
     """
 
@@ -94,31 +95,39 @@ class KVLayout:
 
     @classmethod
     def from_mla_tensors(cls, tensors: Sequence[torch.Tensor], *, block_size: int) -> KVLayout:
-        """One ``[num_blocks, block_size, dim]`` latent tensor per layer (MLA).
+        """One latent tensor per layer (MLA): ``[num_blocks, block_size, dim]`` (vLLM's CUDA
+        MLA backends before the generic cache views), or ``[num_blocks, 1, block_size, dim]``
+        (vLLM's ``[blocks, heads, tokens, content]`` view of an MLA page: one latent head, as
+        its CPU MLA backend hands it over). Both describe the same bytes: a block is
+        ``block_size * dim`` contiguous values, shaped ``(block_size, dim)`` either way, so the
+        two forms share pool objects.
 
         The only constructor whose shape places the tokens, so the only one that checks
-        ``block_size`` against it: a first tensor whose second dimension differs raises
-        LayoutError naming ``block_size``; a later one that differs from it, naming that tensor.
+        ``block_size`` against it: a first tensor whose token dimension differs raises
+        LayoutError naming ``block_size``; a later one that differs from it, naming that
+        tensor; any other shape, naming the tensor and both forms.
         """
         _check_block_size(block_size)
         per_layer = []
         for i, t in enumerate(_listed(tensors)):
             _check_tensor(t, f"tensors[{i}]")
-            if i == 0 and t.dim() == 3 and t.shape[1] != block_size:
+            latent = _mla_latent(t)
+            if i == 0 and latent is not None and latent.shape[1] != block_size:
                 raise LayoutError(
                     "block_size",
                     block_size,
-                    f"tensors[0].shape={tuple(t.shape)} is [num_blocks, block_size, dim] for MLA: "
-                    f"its blocks hold {t.shape[1]} tokens",
+                    f"tensors[0].shape={tuple(t.shape)} is {_MLA_FORMS} for MLA: "
+                    f"its blocks hold {latent.shape[1]} tokens",
                 )
-            if t.dim() != 3 or t.shape[1] != block_size:
+            if latent is None or latent.shape[1] != block_size:
                 raise LayoutError(
                     f"tensors[{i}].shape",
                     tuple(t.shape),
-                    f"expected [num_blocks, block_size={block_size}, dim] for MLA",
+                    f"expected {_MLA_FORMS.replace('block_size', f'block_size={block_size}')} "
+                    "for MLA",
                 )
-            per_layer.append((t,))
-        return cls._build(per_layer, block_size=block_size, kind="mla")
+            per_layer.append((latent,))
+        return cls._build(per_layer, block_size=block_size, kind="mla", keep=tuple(tensors))
 
     @classmethod
     def _build(
@@ -290,6 +299,19 @@ def _check_tensor(t: Any, name: str) -> None:
         raise LayoutError(
             f"{name}.shape", tuple(t.shape), "expected [num_blocks, ...] (2-D or more)"
         )
+
+
+_MLA_FORMS = "[num_blocks, block_size, dim] or [num_blocks, 1, block_size, dim]"
+
+
+def _mla_latent(t: torch.Tensor) -> torch.Tensor | None:
+    """An MLA cache tensor as a ``[num_blocks, block_size, dim]`` view of the same memory; None
+    for a shape that is neither of ``_MLA_FORMS``."""
+    if t.dim() == 3:
+        return t
+    if t.dim() == 4 and t.shape[1] == 1:
+        return t.squeeze(1)
+    return None
 
 
 def _describe(t: torch.Tensor, name: str) -> KVPart:

@@ -75,6 +75,37 @@ def test_from_mla_tensors_describes_latent_tensors() -> None:
         assert parts == (KVPart(t.data_ptr(), 16 * 64 * 2, 16 * 64 * 2, (16, 64)),)
 
 
+def test_from_mla_tensors_takes_vllms_one_head_view_as_the_same_blocks() -> None:
+    """vLLM's generic cache view of an MLA page, ``[blocks, heads=1, tokens, latent]`` (its CPU
+    MLA backend's tensors): the same block bytes, block shape and fingerprint as the 3-D form,
+    so either form loads what the other saved."""
+    four = [torch.zeros(5, 1, 16, 64, dtype=torch.bfloat16) for _ in range(2)]
+    three = [torch.zeros(5, 16, 64, dtype=torch.bfloat16) for _ in range(2)]
+
+    layout = KVLayout.from_mla_tensors(four, block_size=16)
+
+    assert layout.kind == "mla" and layout.num_blocks == 5
+    for t, parts in zip(four, layout.layers, strict=True):
+        assert parts == (KVPart(t.data_ptr(), 16 * 64 * 2, 16 * 64 * 2, (16, 64)),)
+    assert layout.fingerprint() == KVLayout.from_mla_tensors(three, block_size=16).fingerprint()
+
+
+def test_from_mla_tensors_follows_a_block_stride_wider_than_the_block() -> None:
+    """vLLM's block-outermost layouts put other layers' pages between one layer's blocks."""
+    backing = torch.zeros(5, 3, 1, 16, 64)  # [blocks, layers, heads, tokens, latent]
+    tensors = [backing[:, layer] for layer in range(3)]
+
+    layout = KVLayout.from_mla_tensors(tensors, block_size=16)
+
+    for layer, parts in enumerate(layout.layers):
+        (part,) = parts
+        assert part.block_stride == 3 * 16 * 64 * 4
+        assert part.block_bytes == 16 * 64 * 4
+        assert all(
+            part.base + b * part.block_stride == backing[b, layer].data_ptr() for b in range(5)
+        )
+
+
 # -- construction: strided but block-contiguous -----------------------------------------------
 
 
@@ -302,11 +333,28 @@ def test_layouts_whose_shape_does_not_place_block_size_take_it_as_given(
     assert layout.block_size == 16
 
 
-def test_refuses_mla_tensors_that_are_not_three_dimensional() -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [(8, 16, 2, 32), (8, 2, 16, 32), (8, 16 * 32), (8, 1, 1, 16, 32)],
+    ids=["tokens-then-heads", "two-heads", "flat", "5-d"],
+)
+def test_refuses_mla_tensors_of_neither_form(shape: tuple[int, ...]) -> None:
     with pytest.raises(LayoutError) as info:
-        KVLayout.from_mla_tensors([torch.zeros(8, 16, 2, 32)], block_size=16)
+        KVLayout.from_mla_tensors([torch.zeros(shape)], block_size=16)
 
     assert info.value.argument == "tensors[0].shape"
+    assert info.value.value == shape
+    assert "[num_blocks, block_size=16, dim] or [num_blocks, 1, block_size=16, dim]" in str(
+        info.value
+    )
+
+
+def test_mla_refuses_a_four_dimensional_block_size_its_tensors_contradict() -> None:
+    with pytest.raises(LayoutError) as info:
+        KVLayout.from_mla_tensors([torch.zeros(8, 1, 16, 64)], block_size=32)
+
+    assert info.value.argument == "block_size"
+    assert "its blocks hold 16 tokens" in str(info.value)
 
 
 def test_refuses_mismatched_num_blocks_between_layers() -> None:
