@@ -90,3 +90,28 @@ def test_output_paths(tmp_path: Path) -> None:
             check_output_path(str(tmp_path / "ro" / "out.json"), "--json")
     finally:
         os.chmod(tmp_path / "ro", 0o700)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ttft", "--hit-rate", "2"], "argument --hit-rate: expected a number between 0 and 1"),
+        (["ttft", "--layers", "0"], "argument --layers: expected an integer >= 1, got '0'"),
+        (["copy", "--repeats", "-2"], "argument --repeats: expected an integer >= 1"),
+        (["copy", "--threads", "1,x"], "argument --threads: expected comma-separated integers"),
+        (["copy", "--blocks", "4x"], "argument --blocks: expected comma-separated sizes"),
+        (["copy", "--cpus", "a"], "argument --cpus: expected CPU numbers such as 0,1"),
+        (["metadata", "--layers", "8,0"], "argument --layers: expected comma-separated integers"),
+    ],
+)
+def test_bench_option_values_are_refused_by_name(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before any run: a value the scenario cannot use says which option and what it takes."""
+    from kvflow.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "<lambda>" not in err and "invalid" not in err, err

@@ -22,6 +22,7 @@ from kvflow.bench.common import (
     MAX_TRANSFER_BYTES,
     CopyBench,
     best_times,
+    count,
     figure,
     fmt_bytes,
     format_axes,
@@ -43,12 +44,12 @@ DESCRIPTION = "vectorised address generation against the per-block Python refere
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=61, help="layers of the model (61)")
+    parser.add_argument("--layers", type=count, default=61, help="layers of the model (61)")
     parser.add_argument("--blocks", type=int_list, default=[64, 512, 4096], help="blocks per batch")
     parser.add_argument(
         "--block-bytes", type=size_arg, default=64 << 10, help="bytes per block per layer"
     )
-    parser.add_argument("--repeats", type=int, default=None, help="rounds, best of (7; quick 3)")
+    parser.add_argument("--repeats", type=count, default=None, help="rounds, best of (7; quick 3)")
 
 
 def synthetic_layout(layers: int, num_blocks: int, block_bytes: int) -> KVLayout:

@@ -9,6 +9,7 @@ compares in turn inside every repeat, so that a slow spell hits both sides.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import itertools
 import os
@@ -42,10 +43,12 @@ __all__ = [
     "Memcpy",
     "best_times",
     "check_output_path",
+    "count",
     "cpu_list",
     "figure",
     "fmt_bytes",
     "format_axes",
+    "fraction",
     "gc_paused",
     "int_list",
     "load_average",
@@ -71,23 +74,63 @@ LOOPS = ("native", "python")  # LocalStore's copy loops: native_copy=True, nativ
 # -- arguments and formatting ---------------------------------------------------------------
 
 
+def count(text: str) -> int:
+    """``"16"`` -> ``16``: an integer >= 1 (argparse ``type``)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def fraction(text: str) -> float:
+    """``"0.9"`` -> ``0.9``: a number strictly between 0 and 1 (argparse ``type``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
+
+
 def size_arg(text: str) -> int:
     """``"64MiB"`` -> ``67108864`` (argparse ``type``)."""
-    return parse_size(text.strip(), argument="size")
+    try:
+        return parse_size(text.strip(), argument="size")
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 64MiB or 4096, got {text!r}"
+        ) from None
 
 
 def size_list(text: str) -> list[int]:
     """``"4KiB,1MiB"`` -> ``[4096, 1048576]`` (argparse ``type``)."""
-    return [size_arg(s) for s in text.split(",") if s.strip()]
+    sizes = [s.strip() for s in text.split(",") if s.strip()]
+    try:
+        if sizes:
+            return [parse_size(s, argument="size") for s in sizes]
+    except ConfigError:
+        pass
+    raise argparse.ArgumentTypeError(
+        f"expected comma-separated sizes such as 4KiB,1MiB, got {text!r}"
+    )
 
 
 def int_list(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (argparse ``type``)."""
-    return [int(s) for s in text.split(",") if s.strip()]
+    """``"1,2,4"`` -> ``[1, 2, 4]``: integers >= 1 (argparse ``type``)."""
+    values = [s.strip() for s in text.split(",") if s.strip()]
+    if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers >= 1 such as 1,2,4, got {text!r}"
+        )
+    return [int(v) for v in values]
 
 
 def cpu_list(text: str) -> tuple[int, ...]:
-    return tuple(int_list(text))
+    """``"0,1"`` -> ``(0, 1)``: CPU numbers (argparse ``type``)."""
+    values = [s.strip() for s in text.split(",") if s.strip()]
+    if not values or not all(v.isdigit() for v in values):
+        raise argparse.ArgumentTypeError(f"expected CPU numbers such as 0,1, got {text!r}")
+    return tuple(int(v) for v in values)
 
 
 def check_output_path(path: str, option: str) -> None:

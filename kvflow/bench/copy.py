@@ -34,6 +34,7 @@ from kvflow.bench.common import (
     Memcpy,
     MiB,
     best_times,
+    count,
     cpu_list,
     figure,
     fmt_bytes,
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bytes", type=size_arg, default=None, help="bytes per copy (256MiB; --quick 64MiB)"
     )
-    parser.add_argument("--repeats", type=int, default=None, help="rounds, best of (9; quick 5)")
+    parser.add_argument("--repeats", type=count, default=None, help="rounds, best of (9; quick 5)")
     parser.add_argument("--blocks", type=size_list, default=list(BLOCKS), help="block sizes")
     parser.add_argument("--threads", type=int_list, default=[1, 2], help="copy threads")
     parser.add_argument(

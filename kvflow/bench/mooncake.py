@@ -26,7 +26,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.bench.common import figure, fmt_bytes, int_list, pick, save, size_arg, small_layout
+from kvflow.bench.common import (
+    count,
+    figure,
+    fmt_bytes,
+    int_list,
+    pick,
+    save,
+    size_arg,
+    small_layout,
+)
 from kvflow.bench.report import Report
 from kvflow.bench.stores import mooncake_store
 from kvflow.config import EngineConfig
@@ -47,14 +56,14 @@ MODEL = "kvflow-bench-mooncake"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=None, help="layers (32; quick 16)")
+    parser.add_argument("--layers", type=count, default=None, help="layers (32; quick 16)")
     parser.add_argument(
         "--block-bytes", type=size_arg, default=None, help="bytes per block per layer (32KiB)"
     )
-    parser.add_argument("--blocks", type=int, default=None, help="blocks per request (128; 64)")
-    parser.add_argument("--repeats", type=int, default=None, help="measured rounds (7; 3)")
+    parser.add_argument("--blocks", type=count, default=None, help="blocks per request (128; 64)")
+    parser.add_argument("--repeats", type=count, default=None, help="measured rounds (7; 3)")
     parser.add_argument(
-        "--copy-threads", type=int, default=2, help="kvflow's copy threads (EngineConfig)"
+        "--copy-threads", type=count, default=2, help="kvflow's copy threads (EngineConfig)"
     )
     parser.add_argument(
         "--round-trip-layers", type=int_list, default=[8, 32, 61], help="layer counts counted"

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.bench.common import (
+    count,
     figure,
     format_axes,
     gc_paused,
@@ -64,9 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--requests", type=int_list, default=[1, 4, 16, 64, 256], help="requests per step"
     )
-    parser.add_argument("--layers", type=int, default=61, help="layers of the model (61)")
-    parser.add_argument("--chunks", type=int, default=2, help="chunks per request (2)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps each (30; quick 10)")
+    parser.add_argument("--layers", type=count, default=61, help="layers of the model (61)")
+    parser.add_argument("--chunks", type=count, default=2, help="chunks per request (2)")
+    parser.add_argument("--steps", type=count, default=None, help="timed steps each (30; quick 10)")
     parser.add_argument(
         "--api",
         type=lambda text: [a for a in text.split(",") if a],

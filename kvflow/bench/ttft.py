@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.bench.common import figure, save
+from kvflow.bench.common import count, figure, fraction, save
 from kvflow.bench.model import ModelShape, PagedModel
 from kvflow.bench.report import Report
 from kvflow.bench.stores import STORE_KINDS, bench_store
@@ -47,34 +47,34 @@ QUICK = {"tokens": 2048, "new_tokens": 4, "repeats": 15}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     s = ModelShape()
-    p.add_argument("--layers", type=int, default=s.layers)
-    p.add_argument("--hidden", type=int, default=s.hidden)
-    p.add_argument("--heads", type=int, default=s.heads)
-    p.add_argument("--kv-heads", type=int, default=s.kv_heads)
-    p.add_argument("--head-dim", type=int, default=s.head_dim)
-    p.add_argument("--mlp", type=int, default=s.mlp, help="MLP width")
+    p.add_argument("--layers", type=count, default=s.layers)
+    p.add_argument("--hidden", type=count, default=s.hidden)
+    p.add_argument("--heads", type=count, default=s.heads)
+    p.add_argument("--kv-heads", type=count, default=s.kv_heads)
+    p.add_argument("--head-dim", type=count, default=s.head_dim)
+    p.add_argument("--mlp", type=count, default=s.mlp, help="MLP width")
     p.add_argument("--mla-dim", type=int, default=0, help="MLA latent width (0: K/V heads)")
     p.add_argument("--dtype", default=s.dtype, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=s.block_size)
-    p.add_argument("--chunk-blocks", type=int, default=16)
-    p.add_argument("--tokens", type=int, default=4096, help="prompt length")
-    p.add_argument("--hit-rate", type=float, default=0.9, help="share of the prompt in the pool")
+    p.add_argument("--block-size", type=count, default=s.block_size)
+    p.add_argument("--chunk-blocks", type=count, default=16)
+    p.add_argument("--tokens", type=count, default=4096, help="prompt length")
+    p.add_argument("--hit-rate", type=fraction, default=0.9, help="share of the prompt in the pool")
     p.add_argument(
         "--new-tokens",
-        type=int,
+        type=count,
         default=0,
         help="compute exactly this many new tokens after a chunk-aligned prefix "
         "(overrides --hit-rate)",
     )
-    p.add_argument("--prefetch", type=int, default=2, help="prefetch_layers of the main run")
+    p.add_argument("--prefetch", type=count, default=2, help="prefetch_layers of the main run")
     p.add_argument(
         "--prefetch-variants",
         default="1,4",
         help="other prefetch windows to show "
         "(with the copy thread pinned; one more run shows it floating)",
     )
-    p.add_argument("--repeats", type=int, default=3, help="runs per mode (median reported)")
-    p.add_argument("--compute-threads", type=int, default=1)
+    p.add_argument("--repeats", type=count, default=3, help="runs per mode (median reported)")
+    p.add_argument("--compute-threads", type=count, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store", default="local", choices=STORE_KINDS, help="the pool to load from")
     p.add_argument(
