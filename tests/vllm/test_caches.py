@@ -3,7 +3,8 @@
 What is tested: ``cache_layout`` on each tensor shape vLLM hands a connector (the CPU backend's
 ``[num_blocks, heads, block_size, 2 * head_size]``, FlashAttention's ``[num_blocks, 2,
 block_size, heads, head_size]``, the other CUDA backends' ``[2, num_blocks, ...]`` and MLA's
-``[num_blocks, block_size, latent_dim]``): layer names in order, layer count, parts per layer,
+``[num_blocks, block_size, latent_dim]`` or ``[num_blocks, 1, block_size, latent_dim]``, checked
+against the shape vLLM's cache spec gives): layer names in order, layer count, parts per layer,
 bytes of one block, and that each part addresses the right memory; wrong shapes are refused
 naming the layer. ``spec_fingerprint``: equal specs give equal digests (also in another
 process), any differing field a different one.
@@ -126,6 +127,64 @@ def test_mla_tensors_are_one_latent_part_per_layer() -> None:
         assert layout.layer_block_bytes(i) == nbytes(t[0]) == BLOCK_SIZE * LATENT * 2
         for b in range(NUM_BLOCKS):
             assert part.base + b * part.block_stride == t[b].data_ptr()
+
+
+def mla_page_view(dtype: torch.dtype = torch.float32, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """vLLM's ``[blocks, heads, tokens, content]`` view of an MLA page: one latent head (the CPU
+    MLA backend's tensors)."""
+    return torch.zeros(num_blocks, 1, BLOCK_SIZE, LATENT, dtype=dtype)
+
+
+def test_mla_in_vllms_page_view_is_one_latent_part_per_layer() -> None:
+    kv = caches(mla_page_view, dtype=torch.bfloat16)
+    shape = (NUM_BLOCKS, 1, BLOCK_SIZE, LATENT)
+
+    names, layout = cache_layout(
+        kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, mla=True, expected_shape=shape
+    )
+
+    assert names == NAMES and layout.kind == "mla"
+    for i, name in enumerate(NAMES):
+        t = kv[name]
+        (part,) = layout.layers[i]
+        assert layout.layer_block_bytes(i) == nbytes(t[0]) == BLOCK_SIZE * LATENT * 2
+        for b in range(NUM_BLOCKS):
+            assert part.base + b * part.block_stride == t[b].data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (mla_page_view, (NUM_BLOCKS, BLOCK_SIZE, LATENT)),
+        (mla, (NUM_BLOCKS, 1, BLOCK_SIZE, LATENT)),
+        (mla_page_view, (NUM_BLOCKS, 1, BLOCK_SIZE, 2 * LATENT)),
+    ],
+    ids=["page-view-not-expected", "3d-not-expected", "other-latent"],
+)
+def test_a_tensor_unlike_vllms_cache_spec_is_refused_naming_layer_and_shapes(
+    make: Callable[..., torch.Tensor], shape: tuple[int, ...]
+) -> None:
+    kv = caches(make)
+
+    with pytest.raises(LayoutError) as info:
+        cache_layout(
+            kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, mla=True, expected_shape=shape
+        )
+
+    assert info.value.argument == f"kv_caches[{NAMES[0]!r}].shape"
+    assert info.value.value == tuple(kv[NAMES[0]].shape)
+    assert str(shape) in str(info.value)
+
+
+def test_an_mla_layer_of_neither_form_is_refused_naming_it_and_both_forms() -> None:
+    kv = caches(mla_page_view)
+    kv[NAMES[2]] = torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, LATENT)  # two heads: not MLA's page
+
+    with pytest.raises(LayoutError) as info:
+        cache_layout(kv, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, mla=True)
+
+    assert info.value.argument == f"kv_caches[{NAMES[2]!r}].shape"
+    assert "[num_blocks, 1, block_size=4, dim]" in str(info.value)
 
 
 def test_layer_names_keep_the_dicts_order() -> None:

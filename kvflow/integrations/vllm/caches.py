@@ -1,18 +1,24 @@
 """vLLM's KV cache tensors as a KVLayout, and the keys' namespace both vLLM processes agree on.
 
-No vLLM import here. vLLM hands the worker one tensor per attention layer (``{layer_name:
-tensor}``); the block dimension is found by ``num_blocks``:
+vLLM hands the worker one tensor per attention layer (``{layer_name: tensor}``); the block
+dimension is found by ``num_blocks``:
 
 * ``[num_blocks, ...]``: the CPU backend's ``[num_blocks, num_kv_heads, block_size,
-  2 * head_size]``, FlashAttention's ``[num_blocks, 2, block_size, heads, head_size]``, and MLA's
-  ``[num_blocks, block_size, latent_dim]``: one part per layer;
+  2 * head_size]``, FlashAttention's ``[num_blocks, 2, block_size, heads, head_size]``: one part
+  per layer;
+* MLA (one latent vector per token, ``kv_lora_rank + qk_rope_head_dim`` values): the shape vLLM
+  itself gives the layer for its ``MLAAttentionSpec`` (``vllm_cache_shape``), which kvflow
+  knows in two forms, ``[num_blocks, 1, block_size, dim]`` (vLLM's ``[blocks, heads, tokens,
+  content]`` page view, as its CPU MLA backend hands it over) and ``[num_blocks, block_size,
+  dim]`` (backends that shape their own caches); one part per layer;
 * ``[2, num_blocks, ...]`` (K and V apart, other CUDA backends): two parts per layer;
 * a tuple of ``[num_blocks, ...]`` tensors (vllm-ascend's ``(key_cache, value_cache)`` on NPUs,
   each ``[num_blocks, block_size, num_kv_heads, head_size]``): one part per tensor.
 
-The scheduler has no tensors, so the keys' namespace comes from what both processes know: the
-cache spec (block size, heads, head size, dtype, bytes per block), the layer count and the
-tensor-parallel size. The worker checks that its tensors have the bytes per block the spec says.
+Only ``vllm_cache_shape`` imports vLLM (when called). The scheduler has no tensors, so the keys'
+namespace comes from what both processes know: the cache spec (block size, heads, head size,
+dtype, bytes per block), the layer count and the tensor-parallel size. The worker checks that
+its tensors have the bytes per block the spec says.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from kvflow.errors import LayoutError
 from kvflow.layout import KVLayout
 
-__all__ = ["cache_layout", "spec_fingerprint"]
+__all__ = ["cache_layout", "layer_backend", "spec_fingerprint", "vllm_cache_shape"]
 
 
 def cache_layout(
@@ -36,14 +42,27 @@ def cache_layout(
     num_blocks: int,
     block_size: int,
     mla: bool = False,
+    expected_shape: tuple[int, ...] | None = None,
 ) -> tuple[list[str], KVLayout]:
-    """The layer names in order and the layout of their tensors."""
+    """The layer names in order and the layout of their tensors.
+
+    ``expected_shape``: the shape vLLM says each layer's tensor has (``vllm_cache_shape``); a
+    tensor of another shape is refused naming its layer, the shape and vLLM's.
+    """
     names = list(kv_caches)
     if not names:
         raise LayoutError("kv_caches", {}, "vLLM handed over no KV cache tensors")
     if any(isinstance(kv_caches[n], (tuple, list)) for n in names):
         return names, _tuple_layout(kv_caches, names, num_blocks, block_size)
     tensors: list[torch.Tensor] = [kv_caches[n] for n in names]
+    if expected_shape is not None:
+        for name, t in zip(names, tensors, strict=True):
+            if tuple(t.shape) != tuple(expected_shape):
+                raise LayoutError(
+                    f"kv_caches[{name!r}].shape",
+                    tuple(t.shape),
+                    f"vLLM's cache spec gives its layers the shape {tuple(expected_shape)}",
+                )
     first = tensors[0]
     if mla or (first.dim() >= 2 and first.shape[0] == 2 and first.shape[1] == num_blocks != 2):
         build = KVLayout.from_mla_tensors if mla else KVLayout.from_kv_split_tensors
@@ -97,3 +116,38 @@ def spec_fingerprint(spec: Any, *, num_layers: int, tp_size: int) -> str:
         f"tp={tp_size}",
     ]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
+
+
+def vllm_cache_shape(spec: Any, num_blocks: int, backend: Any = None) -> tuple[int, ...] | None:
+    """The shape vLLM gives each layer's cache tensor for the attention ``spec`` (in
+    elements), asked of the installed vLLM: its generic page view ``[num_blocks * pages,
+    heads, tokens, content]`` (``compute_layer_kv_cache_shape_bytes``: an MLA page is one
+    latent head), or, in a vLLM whose backends shape their caches, the chosen ``backend``'s
+    ``get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)`` (MLA:
+    ``[num_blocks, block_size, head_size]``; the stride order changes strides, not the shape).
+    None when this vLLM offers neither. Imports vLLM."""
+    try:
+        from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+    except ImportError:
+        get_shape = getattr(backend, "get_kv_cache_shape", None)
+        if get_shape is None:
+            return None
+        shape = get_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        return tuple(int(s) for s in shape)
+    blocks, heads, tokens, content_bytes = compute_layer_kv_cache_shape_bytes(spec, num_blocks)
+    item = torch.empty((), dtype=spec.dtype).element_size()
+    if content_bytes % item:
+        raise LayoutError(
+            "spec.dtype",
+            str(spec.dtype),
+            f"{content_bytes} bytes per head and token are not whole {item}-byte elements",
+        )
+    return int(blocks), int(heads), int(tokens), int(content_bytes) // item
+
+
+def layer_backend(vllm_config: Any, layer_name: str) -> Any:
+    """The attention backend vLLM chose for the layer ``layer_name`` (None if not found)."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", {})
+    layer = context.get(layer_name)
+    get_backend = getattr(layer, "get_attn_backend", None)
+    return get_backend() if get_backend is not None else getattr(layer, "attn_backend", None)
