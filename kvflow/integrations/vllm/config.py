@@ -69,6 +69,8 @@ class ConnectorConfig:
             load (proves the loaded KV is really used). Never set it in production.
         debug_fail_loads: a test hook: report every loaded block as failed (vLLM then
             recomputes them, or fails the request, per its ``kv_load_failure_policy``).
+        debug_rank: the debug hooks act only in the worker of this tensor-parallel rank
+            (default: in every worker), as a failure of one rank would.
     """
 
     store: str = "shared"
@@ -90,6 +92,7 @@ class ConnectorConfig:
     model: str = ""
     debug_corrupt_loads: bool = False
     debug_fail_loads: bool = False
+    debug_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.store not in STORES:
@@ -103,6 +106,9 @@ class ConnectorConfig:
         chunk = self.chunk_blocks
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise ConfigError("chunk_blocks", chunk, "must be an integer >= 1 (0: automatic)")
+        rank = self.debug_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ConfigError("debug_rank", rank, "must be a tensor-parallel rank (>= 0)")
         if not isinstance(self.model, str):
             raise ConfigError("model", self.model, "must be a string")
         cpus: object = self.copy_cpus

@@ -322,12 +322,15 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._rank = 0
         self._saves_here = True
+        self._debug_here = True  # the debug hooks act in this worker (config.debug_rank)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        self._rank = 0 if self._mla else get_tensor_model_parallel_rank()
-        self._saves_here = not (self._mla and get_tensor_model_parallel_rank() != 0)
+        tp_rank = get_tensor_model_parallel_rank()
+        self._rank = 0 if self._mla else tp_rank
+        self._saves_here = not (self._mla and tp_rank != 0)
+        self._debug_here = self.config.debug_rank in (None, tp_rank)
         names, layout = cache_layout(
             kv_caches, num_blocks=self._num_blocks, block_size=self._block_size, mla=self._mla
         )
@@ -486,13 +489,14 @@ class KVFlowConnector(KVConnectorBase_V1):
     def _finish_load(self, step: _Step) -> None:
         result = self._result(step.load, "load") if step.load is not None else None
         planned = [b for t in step.meta.loads for b in t.block_ids]
-        if result is None or step.load_failed or self.config.debug_fail_loads:
+        debug_fail = self.config.debug_fail_loads and self._debug_here
+        if result is None or step.load_failed or debug_fail:
             failed = set(planned)
             step.load_failed = True
         else:
             failed = {int(b) for r in result.requests for b in r.failed_block_ids}
             step.load_failed = bool(failed)
-            if self.config.debug_corrupt_loads:
+            if self.config.debug_corrupt_loads and self._debug_here:
                 self._corrupt(np.asarray([b for b in planned if b not in failed], dtype=np.int64))
         self._load_errors |= failed
         with self._stats_lock:
