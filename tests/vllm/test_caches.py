@@ -16,6 +16,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from kvflow import LayoutError
-from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint
+from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint, vllm_cache_shape
 
 NUM_BLOCKS = 6
 BLOCK_SIZE = 4
@@ -185,6 +186,35 @@ def test_an_mla_layer_of_neither_form_is_refused_naming_it_and_both_forms() -> N
 
     assert info.value.argument == f"kv_caches[{NAMES[2]!r}].shape"
     assert "[num_blocks, 1, block_size=4, dim]" in str(info.value)
+
+
+def test_where_backends_shape_their_caches_the_chosen_backend_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vLLM without the generic page views (``vllm.v1.kv_cache_interface`` lacks them):
+    ``get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)`` of the backend,
+    MLA's ``[num_blocks, block_size, head_size]``, which ``cache_layout`` then reads."""
+    monkeypatch.setitem(sys.modules, "vllm.v1.kv_cache_interface", None)  # import fails
+
+    class MLABackend:
+        @staticmethod
+        def get_kv_cache_shape(
+            num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+        ) -> tuple[int, ...]:
+            return (num_blocks, block_size, head_size)
+
+    spec = types.SimpleNamespace(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=LATENT, dtype=torch.float16
+    )
+
+    shape = vllm_cache_shape(spec, NUM_BLOCKS, MLABackend)
+
+    assert shape == (NUM_BLOCKS, BLOCK_SIZE, LATENT)
+    assert vllm_cache_shape(spec, NUM_BLOCKS, None) is None  # nothing to ask: no check
+    _, layout = cache_layout(
+        caches(mla), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, mla=True, expected_shape=shape
+    )
+    assert layout.layer_block_bytes(0) == BLOCK_SIZE * LATENT * 4
 
 
 def test_layer_names_keep_the_dicts_order() -> None:
