@@ -1,11 +1,18 @@
-"""A random Llama and a word-level tokenizer, built offline: to try the connector, test it and
+"""A random model and a word-level tokenizer, built offline: to try the connector, test it and
 benchmark it on a machine with no model downloads.
 
-``python -m kvflow.integrations.vllm.random_model DIR [--layers 8 --hidden 1024 ...]`` writes
-safetensors weights, config.json and tokenizer.json to DIR. The weights are random: what matters
-to a KV connector is real (layers, KV heads, head size, dtype, so the bytes per token); vLLM's
-CPU attention needs head_size (hidden / heads) in {32, 64, 80, 96, 112, 128, ...}. Needs
-``transformers`` and ``tokenizers`` (both come with vLLM).
+``python -m kvflow.integrations.vllm.random_model DIR [--family llama|deepseek] [--layers 8
+--hidden 1024 ...]`` writes safetensors weights, config.json and tokenizer.json to DIR. The
+weights are random: what matters to a KV connector is real (layers, KV heads, head size, dtype,
+so the bytes per token).
+
+* ``llama`` (the default): vLLM's CPU attention needs head_size (hidden / heads) in {32, 64, 80,
+  96, 112, 128, ...}.
+* ``deepseek``: a DeepSeek-V2-style model, multi-head latent attention (MLA: one latent vector
+  of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer, shared by every head) and
+  mixture-of-experts MLPs after the first (dense) layer. vLLM runs it with its MLA backend.
+
+Needs ``transformers`` and ``tokenizers`` (both come with vLLM).
 """
 
 from __future__ import annotations
@@ -13,30 +20,63 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 VOCAB = 1024
+FAMILIES = ("llama", "deepseek")
 
 
-def build(directory: str, *, layers: int = 4, hidden: int = 256, heads: int = 4,
-          kv_heads: int = 2, dtype: str = "float32", seed: int = 0) -> Path:  # fmt: skip
-    """Write the model and tokenizer into ``directory`` (once: an existing build is reused)."""
+def build(directory: str, *, family: str = "llama", layers: int = 4, hidden: int = 256,
+          heads: int = 4, kv_heads: int = 2, kv_lora_rank: int = 512, rope_dim: int = 64,
+          dtype: str = "float32", seed: int = 0) -> Path:  # fmt: skip
+    """Write the model and tokenizer into ``directory`` (once: an existing build is reused).
+
+    ``kv_heads`` is Llama's; ``kv_lora_rank`` and ``rope_dim`` (``qk_rope_head_dim``) are
+    DeepSeek's, whose KV per token and layer is their sum.
+    """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
     out = Path(directory)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out  # built before (the directory names the shape: one build per shape)
     out.mkdir(parents=True, exist_ok=True)
+    _tokenizer().save_pretrained(out)
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = _llama(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, dtype=dtype)
+    else:
+        model = _deepseek(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=rope_dim,
+            dtype=dtype,
+        )
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    marker = {"family": family, "layers": layers, "dtype": dtype}
+    (out / "kvflow-test-model.json").write_text(json.dumps(marker))
+    return out
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     words = {"<unk>": 0, "<s>": 1, "</s>": 2}
     words.update({f"w{i}": i for i in range(3, VOCAB)})
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
-    fast.save_pretrained(out)
-    torch.manual_seed(seed)
+
+
+def _llama(*, layers: int, hidden: int, heads: int, kv_heads: int, dtype: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
@@ -49,10 +89,40 @@ def build(directory: str, *, layers: int = 4, hidden: int = 256, heads: int = 4,
         eos_token_id=2,
         torch_dtype=dtype,
     )
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "kvflow-test-model.json").write_text(json.dumps({"layers": layers, "dtype": dtype}))
-    return out
+    return LlamaForCausalLM(config)
+
+
+def _deepseek(
+    *, layers: int, hidden: int, heads: int, kv_lora_rank: int, rope_dim: int, dtype: str
+) -> Any:
+    """Layer 0 dense, the others MoE (4 routed experts, 2 per token, one shared)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=hidden // heads,
+        v_head_dim=hidden // heads,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype=dtype,
+    )
+    return DeepseekV2ForCausalLM(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,14 +130,18 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("directory")
+    parser.add_argument("--family", default="llama", choices=FAMILIES)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--kv-heads", type=int, default=2, help="llama")
+    parser.add_argument("--kv-lora-rank", type=int, default=512, help="deepseek")
+    parser.add_argument("--rope-dim", type=int, default=64, help="deepseek: qk_rope_head_dim")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
-    print(build(args.directory, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                kv_heads=args.kv_heads, dtype=args.dtype))  # fmt: skip
+    print(build(args.directory, family=args.family, layers=args.layers, hidden=args.hidden,
+                heads=args.heads, kv_heads=args.kv_heads, kv_lora_rank=args.kv_lora_rank,
+                rope_dim=args.rope_dim, dtype=args.dtype))  # fmt: skip
 
 
 if __name__ == "__main__":
