@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from serve_instances import kvflow_mooncake_extra, mooncake_store_connector_env, order
 from vllm_instance import BLOCK, Instance
 
 from kvflow.stores.mooncake_master import MooncakeMaster
@@ -119,13 +120,7 @@ def row_config(row: str, work: str, master: str | None) -> tuple[dict[str, Any],
     elif row == "kvflow_non_layerwise":
         connector = {**kvflow, "use_layerwise": False}
     elif row == "kvflow_mooncake":
-        mooncake = {
-            "master_server_address": master,
-            "local_hostname": "127.0.0.1",
-            "global_segment_size": "1GiB",
-            "key_prefix": "bench/",
-        }
-        connector = {"store": "mooncake", "chunk_blocks": 1, "mooncake": mooncake}
+        connector = kvflow_mooncake_extra(master or "", "1GiB", chunk_blocks=1)
     if connector is not None:
         llm["kv_transfer_config"] = {
             "kv_connector": "KVFlowConnector",
@@ -135,21 +130,7 @@ def row_config(row: str, work: str, master: str | None) -> tuple[dict[str, Any],
             "kv_connector_extra_config": connector,
         }
     if row == "mooncake_store_connector":
-        path = Path(work) / "mooncake.json"
-        path.write_text(
-            json.dumps(
-                {
-                    "metadata_server": "P2PHANDSHAKE",
-                    "master_server_address": master,
-                    "protocol": "tcp",
-                    "device_name": "",
-                    "local_hostname": "127.0.0.1",
-                    "global_segment_size": "1GB",
-                    "local_buffer_size": "256MB",
-                }
-            )
-        )
-        env["MOONCAKE_CONFIG_PATH"] = str(path)
+        env.update(mooncake_store_connector_env(Path(work) / "mooncake.json", master or "", "1GB"))
         llm["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
     return llm, env
 
@@ -299,23 +280,6 @@ def run_group(
                         record(results[row], key, got)
             print(f"repeat {i}: done", file=sys.stderr)
     return results
-
-
-def order(rows: list[str], i: int) -> list[str]:
-    """The rows' order in repeat ``i``: a balanced Latin square (Williams), so over ``len(rows)``
-    repeats (``2 * len(rows)`` for an odd count) every row runs once in every position and
-    follows every other row equally often."""
-    n = len(rows)
-    steps = [0]
-    low, high = 1, n - 1
-    while len(steps) < n:
-        steps.append(low)
-        low += 1
-        if len(steps) < n:
-            steps.append(high)
-            high -= 1
-    out = [rows[(step + i) % n] for step in steps]
-    return out[::-1] if n % 2 and (i // n) % 2 else out
 
 
 def new_row(cold: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,536 @@
+"""Serving benchmark: real ``vllm serve`` processes with and without a KV connector, driven over
+HTTP by many concurrent requests whose prompts share prefixes, with device KV several times
+smaller than the working set.
+
+    $KVFLOW_VLLM_PYTHON benchmarks/vllm_serve.py [--quick] [--repeats N] [--rows a,b,...]
+        [--json PATH] [--plot PATH]
+
+Rows (every server: vLLM's defaults, so its own prefix cache on; ``--num-gpu-blocks-override``
+caps device KV): ``prefix_cache`` (no connector), ``kvflow`` (KVFlowConnector, no settings:
+the shared pool it starts itself, here on a private socket via ``KVFLOW_POOL_SOCKET``),
+``kvflow_mooncake`` (kvflow on a ``mooncake_master`` of its own), ``mooncake_store_connector``
+(vLLM's, on a master of its own) and ``kvflow_two_servers`` (two servers on one kvflow pool;
+requests alternate between them: a conversation's next turn goes to the other server).
+
+Workloads, the same prompts on every row: ``bench``, vLLM's own client
+(``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
+sharing a few long prefixes, shuffled), ``--max-concurrency`` requests at once; for the
+two-server row it goes through a round-robin proxy here (one more local hop). ``chat``, this
+module's multi-turn client (aiohttp, streaming ``/v1/completions`` on token ids): conversations
+that share a system prompt, each turn carrying the previous turns and their answers, all
+conversations at once. Greedy, ``ignore_eos``, fixed output lengths. Every server starts once;
+each repeat draws new prompts (its own seed) and runs the rows in a balanced order. Per row and
+workload: mean, median and p99 TTFT over all repeats' requests, output throughput (mean over
+repeats), tokens the connector provided (``vllm:external_prefix_cache_hits_total``), whether
+each repeat's outputs equal the ``prefix_cache`` row's, and per-repeat ratios (median over
+repeats) of mean TTFT against ``mooncake_store_connector`` and against ``prefix_cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from serve_instances import (
+    MODEL_NAME,
+    Server,
+    free_port,
+    kvflow_mooncake_extra,
+    kvflow_transfer_config,
+    mooncake_store_connector_env,
+    order,
+    serve_args,
+    stop_pool,
+)
+
+from kvflow.stores.mooncake_master import MooncakeMaster
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench-results"
+ROWS = (
+    "prefix_cache",
+    "kvflow",
+    "kvflow_mooncake",
+    "mooncake_store_connector",
+    "kvflow_two_servers",
+)
+WORKLOADS = ("bench", "chat")
+VOCAB = 1024  # the random model's
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model, the device KV and the workloads of one run."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    block: int
+    num_blocks: int  # device KV, in blocks
+    max_model_len: int
+    prefix_len: int  # bench: prefixes, the prompts' own suffixes, their number, requests
+    suffix_len: int
+    num_prefixes: int
+    num_prompts: int
+    concurrency: int
+    output_len: int
+    conversations: int  # chat
+    turns: int
+    system_len: int
+    first_len: int
+    user_len: int
+    answer_len: int
+    pool: str  # capacity of each pool (kvflow's, Mooncake's segments)
+
+    def working_set(self) -> dict[str, int]:
+        """Tokens of KV each workload touches, beside the device's."""
+        bench = self.num_prefixes * self.prefix_len + self.num_prompts * self.suffix_len
+        last = (
+            self.system_len + self.first_len + (self.turns - 1) * (self.user_len + self.answer_len)
+        )
+        chat = self.system_len + self.conversations * (last - self.system_len)
+        return {"device": self.num_blocks * self.block, "bench": bench, "chat": chat}
+
+
+FULL = Shape(
+    layers=8, hidden=512, heads=8, kv_heads=4, block=32, num_blocks=96, max_model_len=2048,
+    prefix_len=1024, suffix_len=64, num_prefixes=8, num_prompts=64, concurrency=8, output_len=16,
+    conversations=12, turns=4, system_len=256, first_len=512, user_len=64, answer_len=32,
+    pool="1GiB",
+)  # fmt: skip
+QUICK = Shape(
+    layers=4, hidden=256, heads=4, kv_heads=2, block=32, num_blocks=24, max_model_len=736,
+    prefix_len=384, suffix_len=32, num_prefixes=4, num_prompts=16, concurrency=4, output_len=8,
+    conversations=6, turns=3, system_len=128, first_len=192, user_len=32, answer_len=8,
+    pool="256MiB",
+)  # fmt: skip
+
+
+# -- servers ---------------------------------------------------------------------------------
+
+
+def start_rows(
+    rows: list[str], shape: Shape, model: str, work: Path, stack: contextlib.ExitStack
+) -> dict[str, list[Server]]:
+    """Every row's servers, started at once and waited for; stopped (and their pools and
+    masters) when ``stack`` closes."""
+    servers: dict[str, list[Server]] = {}
+    for row in rows:
+        env: dict[str, str] = {}
+        transfer: dict[str, Any] | None = None
+        count = 2 if row == "kvflow_two_servers" else 1
+        if row in ("kvflow", "kvflow_two_servers"):  # defaults: the pool starts itself
+            socket = f"{tempfile.mkdtemp(prefix='kvs-', dir='/tmp')}/pool.sock"
+            env["KVFLOW_POOL_SOCKET"] = socket
+            stack.callback(stop_pool, socket)
+            transfer = kvflow_transfer_config({})
+        elif row == "kvflow_mooncake":
+            master = stack.enter_context(MooncakeMaster()).address
+            transfer = kvflow_transfer_config(kvflow_mooncake_extra(master, shape.pool))
+        elif row == "mooncake_store_connector":
+            master = stack.enter_context(MooncakeMaster()).address
+            segment = shape.pool.replace("iB", "B")  # Mooncake reads "1GB"
+            env.update(mooncake_store_connector_env(work / f"{row}.json", master, segment))
+            transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+        args = serve_args(
+            block_size=shape.block,
+            num_blocks=shape.num_blocks,
+            max_model_len=shape.max_model_len,
+            max_num_seqs=shape.concurrency,
+            kv_transfer_config=transfer,
+        )
+        servers[row] = []
+        for n in range(count):
+            server = Server(
+                sys.executable, model, args, log=work / f"{row}{n}.log", env=env, cwd=str(REPO)
+            )
+            stack.callback(server.stop)
+            servers[row].append(server)
+    for row, group in servers.items():
+        for server in group:
+            server.ready()
+        print(f"{row}: up", file=sys.stderr)
+    return servers
+
+
+def external_hits(servers: list[Server]) -> float:
+    return sum(s.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for s in servers)
+
+
+# -- workload: vLLM's client -----------------------------------------------------------------
+
+
+class RoundRobinProxy:
+    """An HTTP proxy on a free port, on a thread of its own: request n goes to upstream
+    n mod len(upstreams), the response streamed back as it comes."""
+
+    def __init__(self, upstreams: list[str]) -> None:
+        self.upstreams = upstreams
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._next = 0
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="proxy", daemon=True)
+        self._thread.start()
+        if not self._started.wait(60):
+            raise RuntimeError("the round-robin proxy did not start")
+
+    def _run(self) -> None:
+        from aiohttp import web
+
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        self._loop.run_until_complete(site.start())
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _forward(self, request: Any) -> Any:
+        import aiohttp
+        from aiohttp import web
+
+        upstream = self.upstreams[self._next % len(self.upstreams)]
+        self._next += 1
+        body = await request.read()
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        timeout = aiohttp.ClientTimeout(total=3600)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.request(
+                request.method, upstream + request.path_qs, data=body, headers=headers
+            ) as up,
+        ):
+            out = web.StreamResponse(status=up.status)
+            out.content_type = up.content_type
+            await out.prepare(request)
+            async for data in up.content.iter_any():
+                await out.write(data)
+            await out.write_eof()
+            return out
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(60)
+
+
+def run_bench(url: str, shape: Shape, model: str, seed: int, work: Path) -> dict[str, Any]:
+    """vLLM's client on ``prefix_repetition``: its JSON result (per request, with
+    ``--save-detailed``: TTFTs and generated texts)."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(
+        [
+            "--backend", "vllm", "--base-url", url, "--model", MODEL_NAME, "--tokenizer", model,
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(shape.prefix_len),
+            "--prefix-repetition-suffix-len", str(shape.suffix_len),
+            "--prefix-repetition-num-prefixes", str(shape.num_prefixes),
+            "--prefix-repetition-output-len", str(shape.output_len),
+            "--num-prompts", str(shape.num_prompts), "--max-concurrency", str(shape.concurrency),
+            "--request-rate", "inf", "--seed", str(seed), "--temperature", "0", "--ignore-eos",
+            "--num-warmups", "0", "--disable-tqdm", "--save-result", "--save-detailed",
+            "--result-dir", str(work), "--result-filename", f"bench-{seed}-{free_port()}.json",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        ]
+    )  # fmt: skip
+    with open(work / "bench-client.log", "a") as log, contextlib.redirect_stdout(log):
+        result: dict[str, Any] = bench_main(args)  # its report goes to the log
+    return {
+        "ttfts": list(result["ttfts"]),
+        "outputs": list(result["generated_texts"]),
+        "output_throughput": result["output_throughput"],
+        "completed": result["completed"],
+        "failed": result.get("failed", 0),
+    }
+
+
+# -- workload: multi-turn chat ---------------------------------------------------------------
+
+
+def conversations(shape: Shape, seed: int) -> tuple[list[int], list[list[list[int]]]]:
+    """The shared system prompt and each conversation's user messages (token ids)."""
+    rng = np.random.default_rng(seed)
+
+    def words(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(3, VOCAB, n)]
+
+    system = words(shape.system_len)
+    chats = [
+        [words(shape.first_len)] + [words(shape.user_len) for _ in range(shape.turns - 1)]
+        for _ in range(shape.conversations)
+    ]
+    return system, chats
+
+
+async def _stream(session: Any, url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "return_token_ids": True,
+    }  # fmt: skip
+    sent = time.perf_counter()
+    ttft = None
+    tokens: list[int] = []
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: {response.status} {await response.text()}")
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            new = [t for c in json.loads(line[6:])["choices"] for t in c.get("token_ids") or ()]
+            if new and ttft is None:
+                ttft = time.perf_counter() - sent
+            tokens.extend(new)
+    return {"ttft": ttft, "tokens": tokens}
+
+
+async def _chat(urls: list[str], shape: Shape, seed: int) -> dict[str, Any]:
+    import aiohttp
+
+    system, chats = conversations(shape, seed)
+    ttfts: list[float] = []
+    outputs: dict[str, list[int]] = {}
+    timeout = aiohttp.ClientTimeout(total=3600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def conversation(c: int, messages: list[list[int]]) -> None:
+            context = list(system)
+            for turn, message in enumerate(messages):
+                context += message
+                url = urls[(c + turn) % len(urls)]  # two servers: every turn on the other one
+                got = await _stream(session, url, context, shape.answer_len)
+                ttfts.append(got["ttft"])
+                outputs[f"{c}/{turn}"] = got["tokens"]
+                context += got["tokens"]
+
+        started = time.perf_counter()
+        await asyncio.gather(*(conversation(c, m) for c, m in enumerate(chats)))
+        wall = time.perf_counter() - started
+    total = sum(len(t) for t in outputs.values())
+    ordered = [outputs[k] for k in sorted(outputs)]
+    return {
+        "ttfts": ttfts,
+        "outputs": ordered,
+        "output_throughput": total / wall,
+        "completed": len(outputs),
+        "failed": 0,
+    }
+
+
+def run_chat(urls: list[str], shape: Shape, seed: int) -> dict[str, Any]:
+    return asyncio.run(_chat(urls, shape, seed))
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def measure(
+    servers: dict[str, list[Server]], shape: Shape, model: str, repeats: int, work: Path
+) -> dict[str, Any]:
+    """Per repeat and workload: every row once, in a balanced order, on that repeat's prompts."""
+    rows = list(servers)
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {
+        w: {row: [] for row in rows} for w in WORKLOADS
+    }
+    proxies = {row: RoundRobinProxy([s.url for s in g]) for row, g in servers.items() if len(g) > 1}
+    try:
+        for i in range(repeats):
+            for workload in WORKLOADS:
+                for row in order(rows, i):
+                    group = servers[row]
+                    before = external_hits(group)
+                    load = os.getloadavg()[0]
+                    if workload == "bench":
+                        url = (
+                            f"http://127.0.0.1:{proxies[row].port}"
+                            if row in proxies
+                            else group[0].url
+                        )
+                        got = run_bench(url, shape, model, seed=1000 + i, work=work)
+                    else:
+                        got = run_chat([s.url for s in group], shape, seed=2000 + i)
+                    got["hit_tokens"] = external_hits(group) - before
+                    got["loadavg_1m"] = load
+                    got["position"] = order(rows, i).index(row)
+                    samples[workload][row].append(got)
+                    print(
+                        f"repeat {i} {workload} {row}: mean TTFT "
+                        f"{1e3 * statistics.mean(got['ttfts']):.1f} ms, "
+                        f"hits {got['hit_tokens']:.0f}",
+                        file=sys.stderr,
+                    )
+    finally:
+        for proxy in proxies.values():
+            proxy.close()
+    return samples
+
+
+def summarize(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for workload, rows in samples.items():
+        table: dict[str, Any] = {}
+        for row, runs in rows.items():
+            ttfts = [t for r in runs for t in r["ttfts"]]
+            if not ttfts:
+                continue
+            table[row] = {
+                "requests": len(ttfts),
+                "mean_ttft_ms": 1e3 * statistics.mean(ttfts),
+                "median_ttft_ms": 1e3 * statistics.median(ttfts),
+                "p99_ttft_ms": 1e3 * float(np.percentile(ttfts, 99)),
+                "output_throughput": statistics.mean(r["output_throughput"] for r in runs),
+                "hit_tokens": sum(r["hit_tokens"] for r in runs),
+                "failed": sum(r["failed"] for r in runs),
+                "same_outputs_as_prefix_cache": same_outputs(rows, row),
+            }
+            for ref in ("mooncake_store_connector", "prefix_cache"):
+                if ref in rows and ref != row:
+                    table[row][f"mean_ttft_over_{ref}"] = paired_ratio(runs, rows[ref])
+        out[workload] = table
+    return out
+
+
+def same_outputs(rows: dict[str, list[dict[str, Any]]], row: str) -> list[bool] | None:
+    """Per repeat: whether ``row``'s outputs equal the ``prefix_cache`` row's."""
+    ref = rows.get("prefix_cache")
+    if ref is None:
+        return None
+    return [a["outputs"] == b["outputs"] for a, b in zip(rows[row], ref, strict=False)]
+
+
+def paired_ratio(runs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> float | None:
+    """Mean TTFT over the reference's, per repeat (run minutes apart at most), median over
+    the repeats."""
+    pairs = [
+        statistics.mean(a["ttfts"]) / statistics.mean(b["ttfts"])
+        for a, b in zip(runs, ref, strict=False)
+        if a["ttfts"] and b["ttfts"]
+    ]
+    return statistics.median(pairs) if pairs else None
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    for workload, table in summary.items():
+        print(
+            f"{workload:26} {'mean ms':>9} {'median':>9} {'p99':>9} {'out tok/s':>10} "
+            f"{'hit tok':>9} {'/mooncake':>9} {'/prefix':>8} same"
+        )
+        for row, r in table.items():
+
+            def ratio(key: str, r: dict[str, Any] = r) -> str:
+                v = r.get(key)
+                return f"{v:.3f}" if isinstance(v, float) else "-"
+
+            print(
+                f"{row:26} {r['mean_ttft_ms']:9.1f} {r['median_ttft_ms']:9.1f} "
+                f"{r['p99_ttft_ms']:9.1f} {r['output_throughput']:10.1f} {r['hit_tokens']:9.0f} "
+                f"{ratio('mean_ttft_over_mooncake_store_connector'):>9} "
+                f"{ratio('mean_ttft_over_prefix_cache'):>8} {r['same_outputs_as_prefix_cache']}"
+            )
+        print()
+
+
+def plot(summary: dict[str, Any], path: str) -> str | None:
+    """Mean/median/p99 TTFT per row, one panel per workload; a note instead without
+    matplotlib."""
+    from kvflow.bench.common import figure, save
+    from kvflow.errors import MissingDependencyError
+
+    try:
+        fig, axes = figure(1, len(summary), figsize=(6 * len(summary), 4), squeeze=False)
+    except MissingDependencyError as exc:
+        return f"no plot: {exc}"
+    for ax, (workload, table) in zip(axes[0], summary.items(), strict=True):
+        rows = list(table)
+        x = np.arange(len(rows))
+        for k, key in enumerate(("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms")):
+            ax.bar(x + (k - 1) * 0.27, [table[r][key] for r in rows], 0.27, label=key[:-8])
+        ax.set_xticks(x, rows, rotation=20, ha="right")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(workload)
+        ax.legend()
+    save(fig, path)
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 1 repeat")
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
+    parser.add_argument("--json", default=str(OUT / "vllm_serve.json"))
+    parser.add_argument("--plot", default=None, help="a PNG of the TTFTs (needs matplotlib)")
+    args = parser.parse_args()
+    rows = args.rows.split(",")
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    repeats = args.repeats or (1 if args.quick else 3)
+    if repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {repeats}")
+    shape = QUICK if args.quick else FULL
+    from kvflow.integrations.vllm.random_model import build
+
+    name = f"kvflow-serve-llama-{shape.layers}x{shape.hidden}"
+    model = str(
+        build(f"{tempfile.gettempdir()}/{name}", layers=shape.layers, hidden=shape.hidden,
+              heads=shape.heads, kv_heads=shape.kv_heads)
+    )  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="kvserve-", dir="/tmp"))
+    started = time.monotonic()
+    load_before = os.getloadavg()
+    with contextlib.ExitStack() as stack:
+        servers = start_rows(rows, shape, model, work, stack)
+        samples = measure(servers, shape, model, repeats, work)
+    summary = summarize(samples)
+    document = {
+        "summary": summary,
+        "samples": samples,
+        "shape": shape.__dict__,
+        "working_set_tokens": shape.working_set(),
+        "repeats": repeats,
+        "rows": rows,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "wall_s": time.monotonic() - started,
+        "logs": str(work),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(document, indent=1))
+    print_table(summary)
+    if args.plot:
+        note = plot(summary, args.plot)
+        print(note or f"plot: {args.plot}", file=sys.stderr)
+    print(f"JSON: {args.json}; logs: {work}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
