@@ -25,7 +25,16 @@ from typing import Any
 import numpy as np
 
 from kvflow.bench import eviction
-from kvflow.bench.common import figure, fmt_bytes, int_list, pick, save, size_arg, small_layout
+from kvflow.bench.common import (
+    count,
+    figure,
+    fmt_bytes,
+    int_list,
+    pick,
+    save,
+    size_arg,
+    small_layout,
+)
 from kvflow.bench.report import Report
 from kvflow.bench.stores import bench_store
 from kvflow.config import EngineConfig
@@ -45,25 +54,25 @@ CHUNK = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=32, help="layers of the throughput layout")
+    parser.add_argument("--layers", type=count, default=32, help="layers of the throughput layout")
     parser.add_argument(
         "--block-bytes", type=size_arg, default=None, help="bytes per block per layer (64KiB)"
     )
-    parser.add_argument("--blocks", type=int, default=None, help="blocks per request (128)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (9)")
+    parser.add_argument("--blocks", type=count, default=None, help="blocks per request (128)")
+    parser.add_argument("--repeats", type=count, default=None, help="interleaved rounds (9)")
     parser.add_argument(
         "--round-trip-layers", type=int_list, default=[8, 32, 61], help="layer counts counted"
     )
-    parser.add_argument("--lookup-keys", type=int, default=4096, help="keys in one lookup")
+    parser.add_argument("--lookup-keys", type=count, default=4096, help="keys in one lookup")
     parser.add_argument(
-        "--eviction-requests", type=int, default=None, help="requests in the eviction mix (3000)"
+        "--eviction-requests", type=count, default=None, help="requests in the eviction mix (3000)"
     )
     parser.add_argument(
-        "--eviction-pool", type=int, default=None, help="chunks the eviction pool holds (96)"
+        "--eviction-pool", type=count, default=None, help="chunks the eviction pool holds (96)"
     )
     parser.add_argument(
         "--eviction-checkpoints",
-        type=int,
+        type=count,
         default=None,
         help="points of the mix where reachability is read (4)",
     )
