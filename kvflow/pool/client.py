@@ -82,6 +82,7 @@ class PoolConnection:
         self.capacity = 0
         self.retired = False
         self.pinned = False
+        self.features = 0  # what the server understands beyond the first ops (protocol.Feature)
         self._unpin: Callable[[], None] | None = None
         self._next_id = 1
         _check_directory(path, trusted_uids)
@@ -121,6 +122,7 @@ class PoolConnection:
             if code != p.Code.OK:
                 raise StoreError(f"pool server refused HELLO: {body.decode('utf-8', 'replace')}")
             hello = p.parse_hello(body)
+            self.features = p.HEADER.unpack(header)[3]  # the HELLO reply's flags
             if len(fds) != 1:
                 raise ProtocolError("HELLO reply came without the arena")
             size = os.fstat(fds[0]).st_size

@@ -2,8 +2,13 @@
 
 Every message, either way, is one frame::
 
-    header  <I B B H I>   body length, protocol version, op (request) or code (reply), 0, request id
+    header  <I B B H I>   body length, protocol version, op (request) or code (reply), flags,
+                          request id
     body    op-specific, little-endian, every length checked against what is left
+
+``flags`` is 0 but in the reply to HELLO, where it names what the server understands beyond
+the first ops (``Feature``): a client sends an op that needs a feature only to a server that
+named it, so clients and servers of different releases of protocol version 1 work together.
 
 Requests (and their reply bodies):
 
@@ -17,6 +22,12 @@ Requests (and their reply bodies):
     STATS         (empty)                      -> u32 n, n x u64 (STATS_FIELDS, in order)
     BYE           (empty)                      -> (empty); the connection's sessions are
                                                   released before the reply, then it closes
+    LOOKUP_CTX    keys, context keys           -> as LOOKUP       (Feature.CONTEXT)
+    OPEN_WRITE_CTX  u64 nbytes, keys, context keys -> as OPEN_WRITE (Feature.CONTEXT)
+    OPEN_READ_CTX keys, context keys           -> as OPEN_READ    (Feature.CONTEXT)
+
+The ``_CTX`` ops also name the chunks before their keys (``SupportsPrefixContext``): the server
+only touches those for its eviction order, after the call's own keys.
 
 A session reply is ``u64 handle, u32 n, n x i64 offset, n x i64 size, n x u8 flag``.
 ``keys`` is ``u32 n, n x u16 length, the UTF-8 bytes of every key back to back``. A reply's code
@@ -44,7 +55,9 @@ __all__ = [
     "MAX_KEY_BYTES",
     "STATS_FIELDS",
     "VERSION",
+    "FEATURES",
     "Code",
+    "Feature",
     "Hello",
     "Op",
     "Request",
@@ -57,7 +70,9 @@ __all__ = [
     "handle_body",
     "hello_body",
     "hello_reply",
+    "keys_context_body",
     "open_write_body",
+    "open_write_context_body",
     "parse_flags",
     "parse_hello",
     "parse_session",
@@ -106,6 +121,18 @@ class Op(enum.IntEnum):
     CLOSE_READ = 6
     STATS = 7
     BYE = 8
+    LOOKUP_CTX = 9  # Feature.CONTEXT
+    OPEN_WRITE_CTX = 10
+    OPEN_READ_CTX = 11
+
+
+class Feature(enum.IntFlag):
+    """What a server understands beyond the first ops; named in its HELLO reply's flags."""
+
+    CONTEXT = 1  # the _CTX ops
+
+
+FEATURES = Feature.CONTEXT  # this server's
 
 
 class Code(enum.IntEnum):
@@ -128,6 +155,7 @@ class Request:
     handle: int = 0
     flags: np.ndarray | None = None  # FINISH_WRITE's ok flags
     pid: int = 0
+    context: tuple[str, ...] = ()  # the _CTX ops' context keys
 
 
 @dataclass(frozen=True)
@@ -145,9 +173,9 @@ _HELLO = struct.Struct("<QQI")
 _HANDLE_N = struct.Struct("<QI")
 
 
-def frame(code_or_op: int, request_id: int, body: bytes = b"") -> bytes:
+def frame(code_or_op: int, request_id: int, body: bytes = b"", flags: int = 0) -> bytes:
     """One frame: header plus body."""
-    return HEADER.pack(len(body), VERSION, code_or_op, 0, request_id) + body
+    return HEADER.pack(len(body), VERSION, code_or_op, flags, request_id) + body
 
 
 class Reader:
@@ -223,11 +251,15 @@ def decode_request(op: int, body: bytes) -> Request:
         req = Request(kind, pid=r.u32("pid"))
     elif kind in (Op.LOOKUP, Op.OPEN_READ):
         req = Request(kind, keys=r.keys())
-    elif kind == Op.OPEN_WRITE:
+    elif kind in (Op.LOOKUP_CTX, Op.OPEN_READ_CTX):
+        req = Request(kind, keys=r.keys(), context=r.keys())
+    elif kind in (Op.OPEN_WRITE, Op.OPEN_WRITE_CTX):
         nbytes = r.u64("nbytes")
         if nbytes < 1 or nbytes >= 1 << 62:
             raise ProtocolError(f"object size {nbytes} out of range")
-        req = Request(kind, nbytes=nbytes, keys=r.keys())
+        keys = r.keys()
+        context = r.keys() if kind == Op.OPEN_WRITE_CTX else ()
+        req = Request(kind, nbytes=nbytes, keys=keys, context=context)
     elif kind == Op.FINISH_WRITE:
         handle = r.u64("handle")
         n = r.u32("flag count")
@@ -265,6 +297,15 @@ def parse_hello(body: bytes) -> Hello:
 
 def open_write_body(keys: tuple[str, ...], nbytes: int) -> bytes:
     return _U64.pack(nbytes) + encode_keys(keys)
+
+
+def open_write_context_body(keys: tuple[str, ...], nbytes: int, context: tuple[str, ...]) -> bytes:
+    return open_write_body(keys, nbytes) + encode_keys(context)
+
+
+def keys_context_body(keys: tuple[str, ...], context: tuple[str, ...]) -> bytes:
+    """The body of LOOKUP_CTX and OPEN_READ_CTX."""
+    return encode_keys(keys) + encode_keys(context)
 
 
 def finish_write_body(handle: int, ok: np.ndarray) -> bytes:

@@ -7,7 +7,8 @@ its file descriptor once, in the HELLO reply (SCM_RIGHTS), map it, and from then
 metadata: lookup, open for write or read, commit or abort, release.
 
 Semantics are those of LocalStore (``ArenaIndex``: two-phase writes, read leases, LRU eviction of
-committed, unleased objects), plus ownership: every session belongs to the connection that
+committed, unleased objects, a prefix's tail before its head, context keys included: the
+``_CTX`` ops), plus ownership: every session belongs to the connection that
 opened it and is released when that connection closes, for whatever reason (close, crash,
 SIGKILL). Read leases also expire after ``lease_ttl_s``; a client that later closes such a
 session is told EXPIRED. Pending writes never expire while their client lives: their slots may
@@ -409,7 +410,8 @@ class PoolServer:
                 body = p.hello_reply(
                     p.Hello(self.config.size, self.instance, int(self.config.lease_ttl_s * 1000))
                 )
-                socket.send_fds(sock, [p.frame(p.Code.OK, rid, body)], [self._arena_fd])
+                reply = p.frame(p.Code.OK, rid, body, flags=p.FEATURES)
+                socket.send_fds(sock, [reply], [self._arena_fd])
                 continue
             if request.op == p.Op.BYE:  # its slot is free before it hears so
                 self._release_sessions(client)
@@ -457,15 +459,15 @@ class PoolServer:
 
     def _apply(self, client: _Client, req: p.Request) -> tuple[p.Code, bytes]:
         index = self._index
-        if req.op == p.Op.LOOKUP:
-            return p.Code.OK, p.flags_reply(index.lookup(req.keys))
-        if req.op == p.Op.OPEN_WRITE:
-            handle, offsets, status = index.open_write(req.keys, req.nbytes)
+        if req.op in (p.Op.LOOKUP, p.Op.LOOKUP_CTX):
+            return p.Code.OK, p.flags_reply(index.lookup(req.keys, req.context))
+        if req.op in (p.Op.OPEN_WRITE, p.Op.OPEN_WRITE_CTX):
+            handle, offsets, status = index.open_write(req.keys, req.nbytes, req.context)
             client.sessions.add(handle)
             sizes = np.where(status == WriteStatus.GRANTED, req.nbytes, 0)
             return p.Code.OK, p.session_reply(handle, offsets, sizes, status)
-        if req.op == p.Op.OPEN_READ:
-            handle, offsets, found, sizes = index.open_read(req.keys)
+        if req.op in (p.Op.OPEN_READ, p.Op.OPEN_READ_CTX):
+            handle, offsets, found, sizes = index.open_read(req.keys, req.context)
             client.sessions.add(handle)
             self._deadlines[handle] = time.monotonic() + self.config.lease_ttl_s
             self._owner[handle] = client

@@ -22,8 +22,14 @@ tail before its head instead of leaving a tail that no lookup reaches. The touch
   existing ones touched again, so extending a prefix leaves its head, not its new tail, the most
   recently used.
 
-A caller that names only a prefix's later chunks (a save of just the new chunks) orders those
-among themselves; the chunks it does not name keep their place.
+A caller that moves only a prefix's later chunks (a save of just the new chunks, a load after
+the chunks an inference server's own cache holds) names the chunks before them as ``context``
+(``SupportsPrefixContext``): keys never granted, written or leased, touched (where committed and
+unleased) after the call's own keys, last to first, when ``lookup``, ``open_write`` and
+``open_read`` run and again at ``finish_write`` and ``close_read``. The head then ends up newer
+than the tail it leads to, and ``open_write`` spares the context as it spares its own keys.
+Without context such a call orders its own keys among themselves only; the chunks it does not
+name keep their place.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class _Session:
     keys: list[str] = field(default_factory=list)  # leased (read) or granted (write) keys
     positions: list[int] = field(default_factory=list)  # index of each key in open_write's keys
     named: Sequence[str] = ()  # a write's keys as open_write got them, touched again at commit
+    context: Sequence[str] = ()  # the chunks before the keys: touched last, at the end too
 
 
 class ArenaIndex:
@@ -84,7 +91,8 @@ class ArenaIndex:
 
     # -- queries ------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[str]) -> np.ndarray:
+    def lookup(self, keys: Sequence[str], context: Sequence[str] = ()) -> np.ndarray:
+        """Which keys are committed; touches those found, then ``context``'s (not counted)."""
         found = np.zeros(len(keys), dtype=bool)
         for i in range(len(keys) - 1, -1, -1):  # last to first: a prefix's head ends up newest
             entry = self._entries.get(keys[i])
@@ -92,6 +100,7 @@ class ArenaIndex:
                 found[i] = True
                 if entry.leases == 0:
                     self._lru_of(entry).move_to_end(keys[i])
+        self._touch_all(context)
         hits = int(found.sum())
         self.hits += hits
         self.misses += len(keys) - hits
@@ -114,13 +123,16 @@ class ArenaIndex:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def open_write(self, keys: Sequence[str], nbytes: int) -> tuple[int, np.ndarray, np.ndarray]:
+    def open_write(
+        self, keys: Sequence[str], nbytes: int, context: Sequence[str] = ()
+    ) -> tuple[int, np.ndarray, np.ndarray]:
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
             raise InvalidArgumentError("nbytes", nbytes, "must be an integer >= 1")
         offsets = np.zeros(len(keys), dtype=np.int64)
         status = np.full(len(keys), WriteStatus.EXISTS, dtype=np.int8)
-        session = _Session(writing=True, named=tuple(keys))
+        session = _Session(writing=True, named=tuple(keys), context=tuple(context))
         touched = {key for key in reversed(session.named) if self._touch(key)}
+        touched.update(key for key in reversed(session.context) if self._touch(key))
         for i, key in enumerate(session.named):
             if key in self._entries:
                 continue
@@ -140,7 +152,8 @@ class ArenaIndex:
     def finish_write(self, handle: int, ok: np.ndarray) -> None:
         """Commit the granted keys whose flag (at the key's position in ``open_write``) is set;
         abort the others. An empty ``ok`` aborts everything. Every key of ``open_write`` is
-        touched, last to first: the committed ones join the LRU, the existing ones move up."""
+        touched, last to first: the committed ones join the LRU, the existing ones move up; then
+        its context, last to first."""
         session = self._close(handle, writing=True)
         granted = len(session.keys) - 1
         for pos in range(len(session.named) - 1, -1, -1):
@@ -156,15 +169,19 @@ class ArenaIndex:
                 self._lru_of(entry)[key] = None
             else:
                 self._drop(key)
+        self._touch_all(session.context)
 
     # -- reads --------------------------------------------------------------------------------
 
-    def open_read(self, keys: Sequence[str]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """Lease the committed keys: (handle, offsets, found, object sizes)."""
+    def open_read(
+        self, keys: Sequence[str], context: Sequence[str] = ()
+    ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Lease the committed keys: (handle, offsets, found, object sizes). Touches
+        ``context``, now and at ``close_read``."""
         offsets = np.zeros(len(keys), dtype=np.int64)
         sizes = np.zeros(len(keys), dtype=np.int64)
         found = np.zeros(len(keys), dtype=bool)
-        session = _Session(writing=False)
+        session = _Session(writing=False, context=tuple(context))
         for i, key in enumerate(keys):
             entry = self._entries.get(key)
             if entry is None or not entry.committed:
@@ -176,17 +193,20 @@ class ArenaIndex:
             offsets[i] = entry.offset
             sizes[i] = entry.size
             found[i] = True
+        self._touch_all(session.context)
         return self._open(session), offsets, found, sizes
 
     def close_read(self, handle: int) -> None:
         """Release the session's leases; objects no longer leased rejoin the LRU, last to
-        first."""
-        for key in reversed(self._close(handle, writing=False).keys):
+        first, then its context is touched, last to first."""
+        session = self._close(handle, writing=False)
+        for key in reversed(session.keys):
             entry = self._entries[key]
             entry.leases -= 1
             self._leases -= 1
             if entry.leases == 0:
                 self._lru_of(entry)[key] = None
+        self._touch_all(session.context)
 
     def release_all(self) -> None:
         """Abort every pending write and release every lease (the owner is going away)."""
@@ -218,6 +238,11 @@ class ArenaIndex:
             return False
         self._lru_of(entry).move_to_end(key)
         return True
+
+    def _touch_all(self, keys: Sequence[str]) -> None:
+        """Touch ``keys`` last to first (a context: the chunks before a call's keys)."""
+        for key in reversed(keys):
+            self._touch(key)
 
     def _allocate(self, nbytes: int, spare: Container[str]) -> int | None:
         """A slot for ``nbytes``: a freed one, new space, or the least recently used object's,

@@ -22,6 +22,10 @@ Contract, for every store:
   ``StoreError`` only when it could not try at all; the caller then fails every range.
 * Metadata calls are thread-safe; ``batch_copy`` may run on several threads at once.
 * Calls may block (locks, sockets): async callers run them off the event loop.
+
+Optional abilities are small protocols checked with ``isinstance``: ``SupportsUsage`` (occupancy
+and counters) and ``SupportsPrefixContext`` (calls that also name the chunks before their keys,
+so that eviction takes a prefix's tail before its head).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ __all__ = [
     "Direction",
     "ReadSession",
     "Store",
+    "SupportsPrefixContext",
     "SupportsUsage",
     "StoreUsage",
     "WriteSession",
@@ -171,3 +176,38 @@ class SupportsUsage(Protocol):
     the pool cannot be reached."""
 
     def usage(self) -> StoreUsage: ...
+
+
+@runtime_checkable
+class SupportsPrefixContext(Protocol):
+    """A store that evicts a prefix's tail before its head, and that a call can tell which
+    chunks come before the ones it names.
+
+    Chunk keys are prefix-chained: a chunk is of use only while every chunk before it is stored.
+    A caller that moves only part of a prompt (a save of its new chunks, a load after the chunks
+    an inference server's own cache holds) names the chunks before them as ``context``: the
+    keys of those chunks, in prefix order (for a batch, each request's in turn). Context keys
+    are never granted, written, leased or counted as hits or misses, and cost no copy; the
+    store only touches the ones it holds (committed and unleased; others are left alone) for
+    its eviction order, after the call's own keys and last to first, so that a prompt's head
+    ends up more recently used than its tail:
+
+    * ``lookup_with_context``: when it looks up;
+    * ``open_write_with_context``: when it opens (an allocation then never evicts a context key
+      for the call's own) and again when ``finish_write`` commits;
+    * ``open_read_with_context``: when it opens and again when ``close_read`` releases.
+
+    Otherwise each call is its plain counterpart, with the same results and contract. Stores
+    that evict by a policy of their own (Mooncake, memcache) do not implement it; callers then
+    make the plain calls and name no context.
+    """
+
+    def lookup_with_context(self, keys: Sequence[str], context: Sequence[str]) -> np.ndarray: ...
+
+    def open_write_with_context(
+        self, keys: Sequence[str], nbytes: int, context: Sequence[str]
+    ) -> WriteSession: ...
+
+    def open_read_with_context(
+        self, keys: Sequence[str], context: Sequence[str]
+    ) -> ReadSession: ...

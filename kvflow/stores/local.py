@@ -47,8 +47,10 @@ class LocalStore(Store):
     ``None`` (the default) when a CUDA GPU is present, ``True`` always (an error without one),
     ``False`` never. Pinning maps every page at construction, like ``prefault``.
 
-    Two-phase writes, read leases and LRU eviction of committed, unleased objects (see
-    ``kvflow.stores.base`` for the contract). A save that finds no room is skipped and counted.
+    Two-phase writes, read leases and LRU eviction of committed, unleased objects, a prefix's
+    tail before its head (see ``kvflow.stores.base`` for the contract and
+    ``SupportsPrefixContext``, ``kvflow.stores.arena`` for the order). A save that finds no room
+    is skipped and counted.
 
     Concurrency: every method is thread-safe. Metadata calls take one lock for a few
     microseconds per key; ``batch_copy`` takes no lock and copies without the GIL (see
@@ -97,15 +99,23 @@ class LocalStore(Store):
         self._regions.register(regions)
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray:
+        return self.lookup_with_context(keys, ())
+
+    def lookup_with_context(self, keys: Sequence[str], context: Sequence[str]) -> np.ndarray:
         with self._lock:
             self._check_open()
-            return self._index.lookup(keys)
+            return self._index.lookup(keys, context)
 
     def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession:
+        return self.open_write_with_context(keys, nbytes, ())
+
+    def open_write_with_context(
+        self, keys: Sequence[str], nbytes: int, context: Sequence[str]
+    ) -> WriteSession:
         keys = tuple(keys)
         with self._lock:
             self._check_open()
-            handle, offsets, status = self._index.open_write(keys, nbytes)
+            handle, offsets, status = self._index.open_write(keys, nbytes, tuple(context))
         granted = status == WriteStatus.GRANTED
         return WriteSession(handle, keys, np.where(granted, offsets + self._base, 0), status)
 
@@ -118,10 +128,13 @@ class LocalStore(Store):
                 self._index.finish_write(session.handle, ok)
 
     def open_read(self, keys: Sequence[str]) -> ReadSession:
+        return self.open_read_with_context(keys, ())
+
+    def open_read_with_context(self, keys: Sequence[str], context: Sequence[str]) -> ReadSession:
         keys = tuple(keys)
         with self._lock:
             self._check_open()
-            handle, offsets, found, _ = self._index.open_read(keys)
+            handle, offsets, found, _ = self._index.open_read(keys, tuple(context))
         return ReadSession(handle, keys, np.where(found, offsets + self._base, 0), found)
 
     def close_read(self, session: ReadSession) -> None:

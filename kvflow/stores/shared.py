@@ -75,6 +75,10 @@ class SharedStore(Store):
     KV caches on a CUDA GPU are copied by the GPU (``kvflow.devices.CudaDevice``); this
     process's mapping of the arena is pinned for that when a GPU is present (``pin``).
 
+    The pool evicts a prefix's tail before its head, and takes context
+    (``SupportsPrefixContext``; a server of an earlier release that does not is sent the plain
+    calls).
+
     Concurrency: every method is thread-safe. Metadata calls share one connection and take one
     lock (a round trip each); ``batch_copy`` takes no lock across the copy and runs on several
     threads at once, without the GIL. ``close()`` closes the connection (the server releases
@@ -120,18 +124,31 @@ class SharedStore(Store):
         self._regions.register(regions)
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray:
-        keys = tuple(keys)
+        return self.lookup_with_context(keys, ())
+
+    def lookup_with_context(self, keys: Sequence[str], context: Sequence[str]) -> np.ndarray:
+        keys, context = tuple(keys), tuple(context)
         with self._lock:
-            code, body = self._call(p.Op.LOOKUP, p.encode_keys(keys))
+            ctx = (p.Op.LOOKUP_CTX, p.keys_context_body(keys, context)) if context else None
+            _, code, body = self._call_on(p.Op.LOOKUP, p.encode_keys(keys), ctx=ctx)
             self._expect_ok(code, body, "lookup")
             return p.parse_flags(body, len(keys)).astype(bool)
 
     def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession:
-        keys = tuple(keys)
+        return self.open_write_with_context(keys, nbytes, ())
+
+    def open_write_with_context(
+        self, keys: Sequence[str], nbytes: int, context: Sequence[str]
+    ) -> WriteSession:
+        keys, context = tuple(keys), tuple(context)
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
             raise InvalidArgumentError("nbytes", nbytes, "must be an integer >= 1")
+        n = int(nbytes)
         with self._lock:
-            conn, code, body = self._call_on(p.Op.OPEN_WRITE, p.open_write_body(keys, int(nbytes)))
+            ctx = None
+            if context:
+                ctx = (p.Op.OPEN_WRITE_CTX, p.open_write_context_body(keys, n, context))
+            conn, code, body = self._call_on(p.Op.OPEN_WRITE, p.open_write_body(keys, n), ctx=ctx)
             self._expect_ok(code, body, "open_write")
             handle, offsets, sizes, status = p.parse_session(body, len(keys))
             granted = status == WriteStatus.GRANTED
@@ -156,10 +173,14 @@ class SharedStore(Store):
                 raise StoreError(f"finish_write: the pool did not commit ({code.name})", int(code))
 
     def open_read(self, keys: Sequence[str]) -> ReadSession:
-        keys = tuple(keys)
+        return self.open_read_with_context(keys, ())
+
+    def open_read_with_context(self, keys: Sequence[str], context: Sequence[str]) -> ReadSession:
+        keys, context = tuple(keys), tuple(context)
         with self._lock:
             sent = time.monotonic()
-            conn, code, body = self._call_on(p.Op.OPEN_READ, p.encode_keys(keys))
+            ctx = (p.Op.OPEN_READ_CTX, p.keys_context_body(keys, context)) if context else None
+            conn, code, body = self._call_on(p.Op.OPEN_READ, p.encode_keys(keys), ctx=ctx)
             self._expect_ok(code, body, "open_read")
             handle, offsets, sizes, found = p.parse_session(body, len(keys))
             found = found.astype(bool)
@@ -329,17 +350,27 @@ class SharedStore(Store):
         return code, reply
 
     def _call_on(
-        self, op: p.Op, body: bytes = b"", *, retry: bool = True
+        self,
+        op: p.Op,
+        body: bytes = b"",
+        *,
+        retry: bool = True,
+        ctx: tuple[p.Op, bytes] | None = None,
     ) -> tuple[PoolConnection, p.Code, bytes]:
         """One request; also returns the connection that carried it (a reply's offsets are
         relative to that connection's arena). Holds _lock.
+
+        ``ctx``: the same request with a context (a ``_CTX`` op and its body), sent instead
+        where the server understands it (``Feature.CONTEXT``); a server of an earlier release
+        gets the plain one.
 
         If the server had closed the connection (an idle one, closed as this request went out)
         and no session of this client is on it, nothing was lost: the request goes once more,
         on a new connection. ``retry=False`` for requests about a session."""
         conn = self._connected()
+        sent = ctx if ctx is not None and conn.features & p.Feature.CONTEXT else (op, body)
         try:
-            code, reply = conn.request(op, body)
+            code, reply = conn.request(*sent)
         except KVFlowError as exc:
             again = retry and conn.hung_up and not self._holds(conn)
             self._drop(conn, str(exc))
@@ -347,7 +378,7 @@ class SharedStore(Store):
                 raise StoreUnavailableError(
                     f"the pool on {self.config.socket} is down: {exc}"
                 ) from exc
-            return self._call_on(op, body, retry=False)
+            return self._call_on(op, body, retry=False, ctx=ctx)
         return conn, code, reply
 
     def _holds(self, conn: PoolConnection) -> bool:

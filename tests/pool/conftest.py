@@ -109,14 +109,17 @@ def read_to_eof(sock: socket.socket, limit: int = 1 << 27) -> bytes:
 
 
 class Greeted:
-    """A raw connection that has said HELLO: the reply, and the file descriptors that came with
-    it (closed by ``close()``)."""
+    """A raw connection that has said HELLO: the reply (its header's ``flags`` too), and the
+    file descriptors that came with it (closed by ``close()``)."""
 
-    def __init__(self, sock: socket.socket, code: int, body: bytes, fds: list[int]) -> None:
+    def __init__(
+        self, sock: socket.socket, code: int, body: bytes, fds: list[int], flags: int = 0
+    ) -> None:
         self.sock = sock
         self.code = code
         self.body = body
         self.fds = fds
+        self.flags = flags
 
     @property
     def hello(self) -> p.Hello:
@@ -143,13 +146,13 @@ def greet(path: str, timeout: float = 5.0) -> Iterator[Greeted]:
         if not header:
             raise EOFError("the server closed the connection instead of answering HELLO")
         header += recv_exact(sock, p.HEADER.size - len(header))
-        length, version, code, _, rid = p.HEADER.unpack(header)
+        length, version, code, flags, rid = p.HEADER.unpack(header)
         assert (version, rid) == (p.VERSION, 1)
         body = recv_exact(sock, length)
     except BaseException:
         Greeted(sock, -1, b"", list(fds)).close()
         raise
-    greeted = Greeted(sock, code, body, list(fds))
+    greeted = Greeted(sock, code, body, list(fds), flags)
     try:
         yield greeted
     finally:

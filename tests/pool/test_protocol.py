@@ -34,8 +34,12 @@ def reencode(req: p.Request) -> bytes:
         return p.hello_body(req.pid)
     if req.op in (Op.LOOKUP, Op.OPEN_READ):
         return p.encode_keys(req.keys)
+    if req.op in (Op.LOOKUP_CTX, Op.OPEN_READ_CTX):
+        return p.keys_context_body(req.keys, req.context)
     if req.op == Op.OPEN_WRITE:
         return p.open_write_body(req.keys, req.nbytes)
+    if req.op == Op.OPEN_WRITE_CTX:
+        return p.open_write_context_body(req.keys, req.nbytes, req.context)
     if req.op == Op.FINISH_WRITE:
         assert req.flags is not None
         return p.finish_write_body(req.handle, req.flags)
@@ -65,6 +69,27 @@ def test_keys_round_trip(op: Op, keys: list[str]) -> None:
 def test_open_write_round_trip(keys: list[str], nbytes: int) -> None:
     req = p.decode_request(Op.OPEN_WRITE, p.open_write_body(tuple(keys), nbytes))
     assert (req.op, req.keys, req.nbytes) == (Op.OPEN_WRITE, tuple(keys), nbytes)
+
+
+@pytest.mark.parametrize("op", [Op.LOOKUP_CTX, Op.OPEN_READ_CTX])
+@given(keys=keys_st, context=keys_st)
+def test_keys_and_context_round_trip(op: Op, keys: list[str], context: list[str]) -> None:
+    req = p.decode_request(op, p.keys_context_body(tuple(keys), tuple(context)))
+    assert (req.op, req.keys, req.context) == (op, tuple(keys), tuple(context))
+
+
+@given(keys=keys_st, nbytes=nbytes_st, context=keys_st)
+def test_open_write_with_context_round_trip(
+    keys: list[str], nbytes: int, context: list[str]
+) -> None:
+    body = p.open_write_context_body(tuple(keys), nbytes, tuple(context))
+    req = p.decode_request(Op.OPEN_WRITE_CTX, body)
+    assert (req.op, req.keys, req.nbytes, req.context) == (
+        Op.OPEN_WRITE_CTX,
+        tuple(keys),
+        nbytes,
+        tuple(context),
+    )
 
 
 @given(handle=handle_st, ok=flags_st)
@@ -156,6 +181,9 @@ VALID = {
     Op.CLOSE_READ: p.handle_body(9),
     Op.STATS: b"",
     Op.BYE: b"",
+    Op.LOOKUP_CTX: p.keys_context_body(("alpha",), ("a0", "βeta")),
+    Op.OPEN_WRITE_CTX: p.open_write_context_body(("gamma",), 8192, ("alpha",)),
+    Op.OPEN_READ_CTX: p.keys_context_body(("alpha", "gamma"), ()),
 }
 
 
@@ -183,7 +211,7 @@ def test_trailing_bytes_are_refused(op: Op, extra: bytes) -> None:
     assert "trailing" in refused(op, VALID[op] + extra)
 
 
-@pytest.mark.parametrize("op", [0, 9, 10, 127, 255])
+@pytest.mark.parametrize("op", [0, 12, 13, 127, 255])
 def test_unknown_ops_are_refused(op: int) -> None:
     assert "unknown op" in refused(op, b"")
     refused(op, VALID[Op.LOOKUP])
@@ -311,6 +339,17 @@ def valid_request(draw: st.DrawFn) -> tuple[int, bytes, list[tuple[int, int]]]:
         else:
             body = p.encode_keys(keys)
         fields = [(start, 4)] + [(start + 4 + 2 * i, 2) for i in range(len(keys))]
+        return op, body, fields
+    if op in (Op.LOOKUP_CTX, Op.OPEN_READ_CTX, Op.OPEN_WRITE_CTX):
+        text = st.text(st.characters(codec="utf-8"), max_size=20)
+        keys = draw(st.lists(text, max_size=4))
+        context = draw(st.lists(text, max_size=4))
+        start = 8 if op == Op.OPEN_WRITE_CTX else 0
+        first = p.open_write_body(tuple(keys), draw(nbytes_st)) if start else p.encode_keys(keys)
+        body = first + p.encode_keys(context)
+        fields = [(start, 4), (len(first), 4)]
+        fields += [(start + 4 + 2 * i, 2) for i in range(len(keys))]
+        fields += [(len(first) + 4 + 2 * i, 2) for i in range(len(context))]
         return op, body, fields
     if op == Op.FINISH_WRITE:
         return op, p.finish_write_body(draw(handle_st), draw(flags_st)), [(8, 4)]
@@ -442,5 +481,71 @@ def test_fuzz_live_server_survives_arbitrary_frames() -> None:
         stats = store.server_stats()
         assert stats["bad_messages"] > 0
         assert {k: stats[k] for k in COMPARED} == {k: before[k] for k in COMPARED}
+    finally:
+        dispose(store)
+
+
+# -- features: what a server understands beyond the first ops ---------------------------------
+
+
+def served_ops(store: ServedSharedStore, monkeypatch: pytest.MonkeyPatch) -> list[Op]:
+    """Record the op of every request the store's server applies from now on."""
+    ops: list[Op] = []
+    handle = store.server.handle
+
+    def recording(client: object, request: p.Request) -> tuple[p.Code, bytes]:
+        ops.append(request.op)
+        return handle(client, request)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store.server, "handle", recording)
+    return ops
+
+
+def context_calls(store: ServedSharedStore) -> None:
+    """A lookup, a save and a load of "b" that name "a" as context."""
+    store.lookup_with_context(["b"], ["a"])
+    session = store.open_write_with_context(["b"], OBJ_BYTES, ["a"])
+    store.finish_write(session, np.ones(1, dtype=bool))
+    store.close_read(store.open_read_with_context(["b"], ["a"]))
+
+
+def test_the_server_names_its_features_in_the_hello_reply() -> None:
+    store = ServedSharedStore(1 << 20)
+    try:
+        with greet(store.socket_path) as conn:
+            assert conn.code == p.Code.OK
+            assert conn.flags == p.FEATURES and p.FEATURES & p.Feature.CONTEXT
+    finally:
+        dispose(store)
+
+
+def test_context_goes_in_the_ctx_ops_and_none_without_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = ServedSharedStore(1 << 20)
+    try:
+        ops = served_ops(store, monkeypatch)
+        context_calls(store)
+        store.lookup(["b"])
+        with_empty = store.lookup_with_context(["b"], [])
+        assert with_empty.tolist() == [True]
+        ctx = [Op.LOOKUP_CTX, Op.OPEN_WRITE_CTX, Op.FINISH_WRITE, Op.OPEN_READ_CTX]
+        assert ops == [*ctx, Op.CLOSE_READ, Op.LOOKUP, Op.LOOKUP]
+    finally:
+        dispose(store)
+
+
+def test_a_server_without_the_context_feature_is_sent_the_plain_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool of an earlier release of protocol 1 names no features: the client leaves the
+    context out and the calls still work."""
+    monkeypatch.setattr(p, "FEATURES", p.Feature(0))
+    store = ServedSharedStore(1 << 20)
+    try:
+        ops = served_ops(store, monkeypatch)
+        context_calls(store)
+        assert ops == [Op.LOOKUP, Op.OPEN_WRITE, Op.FINISH_WRITE, Op.OPEN_READ, Op.CLOSE_READ]
+        assert store.lookup(["b", "a"]).tolist() == [True, False]
     finally:
         dispose(store)

@@ -15,7 +15,7 @@ from kvflow.keys import chunk_hashes
 from kvflow.stores.arena import slot_bytes
 from tests.conftest import make_caches
 from tests.pools import dispose, make_store
-from tests.stores.conftest import SMALL_OBJECTS, content, usage, write_objects
+from tests.stores.conftest import OBJ_BYTES, SMALL_OBJECTS, content, usage, write_objects
 
 GRANTED = WriteStatus.GRANTED
 EXISTS = WriteStatus.EXISTS
@@ -92,6 +92,107 @@ def test_a_leased_head_outlives_its_tail(small_store: Store) -> None:
     assert save(small_store, "z") == [GRANTED]  # evicts x or y, never a leased chunk
     small_store.close_read(held)
     assert small_store.lookup(keys[:2]).all()
+
+
+# -- context: the chunks before the ones a call moves ---------------------------------------------
+
+
+def save_after(store: Store, context: list[str], *keys: str) -> list[int]:
+    """Write and commit ``keys`` in one call naming ``context`` as the chunks before them (the
+    bytes are not copied: the order is what these tests watch)."""
+    assert isinstance(store, kvflow.SupportsPrefixContext)
+    session = store.open_write_with_context(keys, OBJ_BYTES, context)
+    store.finish_write(session, np.ones(len(keys), dtype=bool))
+    status: list[int] = session.status.tolist()
+    return status
+
+
+@pytest.mark.arena("watches the eviction order")
+def test_saving_only_new_chunks_with_context_leaves_the_head_the_most_recent(
+    small_store: Store,
+) -> None:
+    """A save of a prompt's new chunks that names the chunks before them: without the context
+    the new tail would be newer than the head, and ``x`` would evict a0."""
+    assert save(small_store, "a0", "a1") == [GRANTED, GRANTED]
+    assert save_after(small_store, ["a0", "a1"], "a2", "a3") == [GRANTED, GRANTED]
+    assert evicted_by(small_store, ["a0", "a1", "a2", "a3"], "x") == ["a3"]
+
+
+@pytest.mark.arena("watches the eviction order")
+def test_a_write_touches_its_context_again_at_the_commit(small_store: Store) -> None:
+    """A head used by another call between open_write and finish_write still ends up newer
+    than the tail the commit adds."""
+    assert isinstance(small_store, kvflow.SupportsPrefixContext)
+    assert save(small_store, "a0", "a1") == [GRANTED, GRANTED]
+    session = small_store.open_write_with_context(["a2"], OBJ_BYTES, ["a0", "a1"])
+    assert save(small_store, "z") == [GRANTED]  # newer than a0 and a1 now
+    small_store.finish_write(session, np.ones(1, dtype=bool))
+    assert evicted_by(small_store, ["a0", "a1", "a2", "z"], "x") == ["z"]
+
+
+@pytest.mark.arena("fills the pool with one call's own prefix")
+def test_a_save_never_evicts_its_context_for_its_own_keys(small_store: Store) -> None:
+    assert save(small_store, "a0", "a1", "a2") == [GRANTED] * 3
+    assert save_after(small_store, ["a0", "a1", "a2"], "a3", "a4") == [GRANTED, NO_SPACE]
+    assert small_store.lookup(["a0", "a1", "a2", "a3"]).all()
+
+
+@pytest.mark.arena("counts what a call allocates")
+def test_context_keys_absent_from_the_pool_are_ignored(small_store: Store) -> None:
+    assert save_after(small_store, ["gone0", "gone1"], "a2") == [GRANTED]
+    u = usage(small_store)
+    assert (u.objects, u.pending_writes, u.used) == (1, 0, OBJ_BYTES)
+    assert isinstance(small_store, kvflow.SupportsPrefixContext)
+    found = small_store.lookup_with_context(["a2"], ["gone0", "gone1"])
+    assert found.tolist() == [True]
+    assert small_store.lookup(["gone0", "gone1"]).tolist() == [False, False]
+    u = usage(small_store)
+    assert (u.hits, u.misses, u.objects) == (1, 2, 1)  # the context is not counted
+
+
+@pytest.mark.arena("watches leases and pending writes")
+def test_a_leased_or_pending_key_named_as_context_is_left_alone(small_store: Store) -> None:
+    assert isinstance(small_store, kvflow.SupportsPrefixContext)
+    save(small_store, "a0", "a1")
+    held = small_store.open_read(["a0"])
+    pending = small_store.open_write(["p"], OBJ_BYTES)
+    context = ["a0", "p", "a1"]
+    assert small_store.lookup_with_context(["a1"], context).tolist() == [True]
+    read = small_store.open_read_with_context(["a1"], context)
+    small_store.close_read(read)
+    assert save_after(small_store, context, "n") == [GRANTED]
+    u = usage(small_store)
+    assert (u.leases, u.pending_writes, u.objects) == (1, 1, 3)
+    assert small_store.lookup(["p"]).tolist() == [False]  # still invisible
+    save(small_store, "x")  # the pool is full: evicts the only unleased, committed candidate
+    assert small_store.lookup(["a0", "a1", "n", "x"]).tolist() == [True, True, False, True]
+    small_store.finish_write(pending, np.ones(1, dtype=bool))
+    small_store.close_read(held)
+    assert small_store.lookup(["p", "a0"]).tolist() == [True, True]
+
+
+@pytest.mark.arena("watches the eviction order")
+def test_a_lookup_after_a_skipped_head_touches_it_last(small_store: Store) -> None:
+    """An inference server's own cache holds a prompt's head: it looks up only the rest,
+    naming the head as context, and the head ends up the most recent."""
+    assert isinstance(small_store, kvflow.SupportsPrefixContext)
+    keys = ["a0", "a1", "a2", "a3"]
+    save(small_store, *keys)
+    small_store.lookup(["a2", "a3"])  # the tail newer than the head
+    assert small_store.lookup_with_context(["a2", "a3"], ["a0", "a1"]).all()
+    assert evicted_by(small_store, keys, "x") == ["a3"]
+
+
+@pytest.mark.arena("watches the eviction order")
+def test_a_load_after_a_skipped_head_touches_it_last(small_store: Store) -> None:
+    assert isinstance(small_store, kvflow.SupportsPrefixContext)
+    keys = ["a0", "a1", "a2", "a3"]
+    save(small_store, *keys)
+    small_store.lookup(["a2", "a3"])
+    session = small_store.open_read_with_context(["a2", "a3"], ["a0", "a1"])
+    assert session.found.all()
+    small_store.close_read(session)  # the leases rejoin, then the head is touched
+    assert evicted_by(small_store, keys, "x") == ["a3"]
 
 
 # -- many overlapping prompts through the engine ------------------------------------------------
