@@ -57,16 +57,24 @@ class ChunkHashes:
     """A request named by its chunks' prefix-chained hashes, computed elsewhere (an inference
     server's own block hashes, say), instead of by its token ids: ``(ChunkHashes(h), block_ids)``
     is a request whose ``len(h)`` full chunks go to or from ``block_ids`` (``chunk_blocks`` ids
-    per chunk). Each hash must cover the whole prefix up to its chunk's end."""
+    per chunk). Each hash must cover the whole prefix up to its chunk's end.
+
+    ``preceding``: the hashes of the prompt's chunks before ``hashes`` (chunks 0 to k-1 when
+    ``hashes`` starts at chunk k), for a request that moves only the later chunks of a prompt
+    (its new chunks, or those after what the caller's own cache holds). They are not moved and
+    need no block ids: a pool that orders eviction by prefix (``SupportsPrefixContext``) only
+    touches them after the moved chunks, so that it evicts the prompt's tail before its head."""
 
     hashes: tuple[bytes, ...]
+    preceding: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
-        hashes = tuple(self.hashes)
-        for i, h in enumerate(hashes):
-            if not isinstance(h, bytes) or not h:
-                raise InvalidArgumentError(f"hashes[{i}]", h, "expected non-empty bytes")
-        object.__setattr__(self, "hashes", hashes)
+        for name in ("hashes", "preceding"):
+            hashes = tuple(getattr(self, name))
+            for i, h in enumerate(hashes):
+                if not isinstance(h, bytes) or not h:
+                    raise InvalidArgumentError(f"{name}[{i}]", h, "expected non-empty bytes")
+            object.__setattr__(self, name, hashes)
 
     def __len__(self) -> int:
         return len(self.hashes)

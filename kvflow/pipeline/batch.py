@@ -22,7 +22,9 @@ class BatchPlan:
     """The full chunks of a batch of requests, in request order.
 
     ``keys[c]`` is chunk c's store key and ``block_ids[c*C:(c+1)*C]`` its device blocks;
-    ``chunks_per_request[r]`` says how many chunks request r contributed.
+    ``chunks_per_request[r]`` says how many chunks request r contributed. ``context``: the keys
+    of the chunks before the moved ones (``ChunkHashes.preceding``), request by request, for a
+    store that orders eviction by prefix (``SupportsPrefixContext``); never moved.
     """
 
     keys: tuple[str, ...]
@@ -30,6 +32,7 @@ class BatchPlan:
     chunks_per_request: tuple[int, ...]
     chunk_blocks: int
     block_size: int
+    context: tuple[str, ...] = ()
 
     @property
     def num_chunks(self) -> int:
@@ -79,6 +82,7 @@ def plan_batch(
         )
     chunk_tokens = chunk_blocks * layout.block_size
     keys: list[str] = []
+    context: list[str] = []
     blocks: list[np.ndarray] = []
     counts: list[int] = []
     for r, request in enumerate(requests):
@@ -90,6 +94,8 @@ def plan_batch(
         if isinstance(request[0], ChunkHashes):
             hashes, need = list(request[0].hashes), len(request[0]) * chunk_blocks
             what = f"{len(hashes)} chunks of {chunk_blocks} blocks need {need} blocks"
+            if hashes:  # a request that moves nothing has nothing to order
+                context.extend(keyspace.keys(request[0].preceding))
         else:
             tokens = token_array(request[0], argument=f"requests[{r}].token_ids")
             hashes = chunk_hashes(tokens, chunk_tokens)
@@ -103,7 +109,9 @@ def plan_batch(
         counts.append(n)
     check_distinct_blocks(blocks, load=load)
     block_ids = np.concatenate(blocks) if blocks else np.zeros(0, np.int64)
-    return BatchPlan(tuple(keys), block_ids, tuple(counts), chunk_blocks, layout.block_size)
+    return BatchPlan(
+        tuple(keys), block_ids, tuple(counts), chunk_blocks, layout.block_size, tuple(context)
+    )
 
 
 def check_distinct_blocks(blocks: Sequence[np.ndarray], *, load: bool) -> None:

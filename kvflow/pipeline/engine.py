@@ -37,7 +37,13 @@ from kvflow.pipeline.transfer import _STRAGGLER_GRACE, BatchTransfer
 from kvflow.pipeline.waits import future_within
 from kvflow.results import ChunkStatus, TransferResult
 from kvflow.stats import EngineStats
-from kvflow.stores.base import ReadSession, Store, WriteSession, WriteStatus
+from kvflow.stores.base import (
+    ReadSession,
+    Store,
+    SupportsPrefixContext,
+    WriteSession,
+    WriteStatus,
+)
 from kvflow.stores.copyloop import stream_min_bytes
 
 __all__ = ["Request", "TransferEngine"]
@@ -144,7 +150,16 @@ class TransferEngine:
         session = None
         if plan.num_chunks:
             try:
-                session = await self._meta(self.store.open_read, plan.keys, on_late=self._late_read)
+                store = self.store
+                if plan.context and isinstance(store, SupportsPrefixContext):
+                    session = await self._meta(
+                        store.open_read_with_context,
+                        plan.keys,
+                        plan.context,
+                        on_late=self._late_read,
+                    )
+                else:
+                    session = await self._meta(store.open_read, plan.keys, on_late=self._late_read)
             except KVFlowError as exc:
                 self._stats.store_errors += 1
                 self._stats.failed_chunks += plan.num_chunks
@@ -178,9 +193,19 @@ class TransferEngine:
         nbytes = self.layout.object_bytes(self.config.chunk_blocks)
         if plan.num_chunks:
             try:
-                session = await self._meta(
-                    self.store.open_write, plan.keys, nbytes, on_late=self._late_write
-                )
+                store = self.store
+                if plan.context and isinstance(store, SupportsPrefixContext):
+                    session = await self._meta(
+                        store.open_write_with_context,
+                        plan.keys,
+                        nbytes,
+                        plan.context,
+                        on_late=self._late_write,
+                    )
+                else:
+                    session = await self._meta(
+                        store.open_write, plan.keys, nbytes, on_late=self._late_write
+                    )
             except KVFlowError as exc:
                 self._stats.store_errors += 1
                 self._stats.failed_chunks += plan.num_chunks
@@ -339,7 +364,7 @@ class TransferEngine:
             return future.result()
         finally:
             if begun:
-                name = getattr(fn, "__name__", "call")
+                name = getattr(fn, "__name__", "call").removesuffix("_with_context")
                 trace.complete(f"store.{name}", begun, "store", keys=len(keys))
 
     def _late_read(self, session: Any) -> None:

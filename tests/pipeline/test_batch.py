@@ -373,3 +373,28 @@ def test_transfer_result_aggregates_requests() -> None:
     assert repr(combined) == (
         "TransferResult(requests=3, chunks={'OK': 3, 'MISSING': 2, 'EXISTS': 1, 'NO_SPACE': 1})"
     )
+
+
+def test_preceding_chunk_hashes_become_the_plan_context_and_need_no_blocks(
+    layout: KVLayout, keyspace: KeySpace
+) -> None:
+    """Each request's preceding chunks, in request order; token-id requests name none (they
+    name their whole prefix already), nor does a request that moves no chunk."""
+    h = chunk_hashes(np.array(_tokens(32), np.int64), CHUNK_TOKENS)  # 4 chunks
+    g = chunk_hashes(np.array(_tokens(24, seed=3), np.int64), CHUNK_TOKENS)  # 3 chunks
+    requests = [
+        (ChunkHashes(tuple(h[2:]), preceding=tuple(h[:2])), [0, 1, 2, 3]),
+        (_tokens(8, seed=5), [4, 5]),
+        (ChunkHashes((), preceding=tuple(g[:1])), []),
+        (ChunkHashes((g[2],), preceding=tuple(g[:2])), [6, 7]),
+    ]
+
+    plan = _plan(layout, keyspace, requests, load=False)
+
+    assert plan.keys == tuple(
+        keyspace.keys(
+            [*h[2:], *chunk_hashes(np.array(_tokens(8, seed=5), np.int64), CHUNK_TOKENS), g[2]]
+        )
+    )
+    assert plan.context == tuple(keyspace.keys([*h[:2], *g[:2]]))
+    assert plan.block_ids.tolist() == list(range(8))

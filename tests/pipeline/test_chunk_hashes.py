@@ -9,7 +9,9 @@ import torch
 
 import kvflow
 from kvflow.keys import chunk_hashes
+from kvflow.stores.arena import slot_bytes
 from tests.conftest import make_caches
+from tests.pools import dispose, make_store
 
 BS, CHUNK = 16, 2
 
@@ -47,3 +49,69 @@ def test_chunk_hashes_refuse_what_is_not_bytes() -> None:
         kvflow.ChunkHashes((b"a", "b"))  # type: ignore[arg-type]
     with pytest.raises(kvflow.InvalidArgumentError, match=r"hashes\[0\]"):
         kvflow.ChunkHashes((b"",))
+
+
+# -- preceding: the chunks before the ones a request moves ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["local", "shared"])
+async def test_a_save_of_new_chunks_naming_the_preceding_ones_keeps_the_head(name: str) -> None:
+    """Saved as an inference server saves a growing prompt: its head first, then only the new
+    chunks, naming the head's hashes as ``preceding`` (no blocks for them). The pool (four
+    chunks) then evicts the new tail before the head, and nothing is written for the head."""
+    caches = make_caches(num_layers=2, num_blocks=32, seed=5)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    store = make_store(name, 4 * slot_bytes(layout.object_bytes(CHUNK)))
+    tokens = np.random.default_rng(1).integers(0, 1000, 5 * CHUNK * BS)
+    h = chunk_hashes(tokens, CHUNK * BS)
+    config = kvflow.EngineConfig(chunk_blocks=CHUNK)
+    try:
+        async with kvflow.TransferEngine(layout, store, config) as engine:
+            keys = engine.keyspace.keys(h)
+            head = await engine.save(kvflow.ChunkHashes(tuple(h[:2])), np.arange(4))
+            assert head.count(kvflow.ChunkStatus.OK) == 2
+            tail = kvflow.ChunkHashes(tuple(h[2:4]), preceding=tuple(h[:2]))
+            saved = await engine.save(tail, np.arange(4, 8))
+            assert saved.count(kvflow.ChunkStatus.OK) == 2
+            assert store.usage().objects == 4  # type: ignore[attr-defined]
+            await engine.save(tokens[4 * CHUNK * BS :], np.arange(8, 10))  # another prompt
+            assert store.lookup(keys[:4]).tolist() == [True, True, True, False]
+            # a load of chunk 2 alone, naming chunks 0 and 1: the right bytes, head kept newest
+            dst = np.arange(20, 22)
+            for layer in caches:
+                layer[dst] = 0
+            loading = kvflow.ChunkHashes((h[2],), preceding=tuple(h[:2]))
+            async with await engine.start_load([(loading, dst)]) as handle:
+                assert (await handle.wait()).ok
+            for layer in caches:
+                assert torch.equal(layer[4:6].view(torch.uint8), layer[dst].view(torch.uint8))
+    finally:
+        dispose(store)
+
+
+async def test_a_store_without_context_gets_the_moved_chunks_only() -> None:
+    """A store that evicts by its own policy (no ``SupportsPrefixContext``; here a counted
+    LocalStore) is called as before: the preceding chunks are neither sent nor moved."""
+    caches = make_caches(num_layers=2, num_blocks=16, seed=6)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    store = kvflow.InstrumentedStore(kvflow.LocalStore("4MiB"))
+    assert not isinstance(store, kvflow.SupportsPrefixContext)
+    tokens = np.random.default_rng(2).integers(0, 1000, 3 * CHUNK * BS)
+    h = chunk_hashes(tokens, CHUNK * BS)
+    try:
+        async with kvflow.TransferEngine(
+            layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)
+        ) as engine:
+            tail = kvflow.ChunkHashes((h[2],), preceding=tuple(h[:2]))
+            assert (await engine.save(tail, np.arange(2))).ok
+            assert store.keys["open_write"] == 1
+            assert store.lookup(engine.keyspace.keys(h)).tolist() == [False, False, True]
+    finally:
+        store.close()
+
+
+def test_preceding_hashes_are_refused_naming_the_bad_one() -> None:
+    with pytest.raises(kvflow.InvalidArgumentError, match=r"preceding\[1\]"):
+        kvflow.ChunkHashes((b"c",), preceding=(b"a", b""))
+    with pytest.raises(kvflow.InvalidArgumentError, match=r"preceding\[0\]"):
+        kvflow.ChunkHashes((b"c",), preceding=("a",))  # type: ignore[arg-type]
