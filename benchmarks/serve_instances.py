@@ -232,8 +232,7 @@ def stream_completion(
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            new = [t for c in chunk["choices"] for t in (c.get("token_ids") or ())]
+            new = chunk_tokens(json.loads(line[6:]))
             if new and out["ttft_s"] is None:
                 out["ttft_s"] = time.perf_counter() - sent
             out["tokens"].extend(new)
@@ -243,6 +242,14 @@ def stream_completion(
     finally:
         conn.close()
     return out
+
+
+def chunk_tokens(chunk: dict[str, Any]) -> list[int]:
+    """The token ids one streamed ``/v1/completions`` chunk carries; RuntimeError for an error
+    chunk (vLLM streams one when the request fails after the response started)."""
+    if "error" in chunk or "choices" not in chunk:
+        raise RuntimeError(f"the server streamed an error: {chunk}")
+    return [t for c in chunk["choices"] for t in (c.get("token_ids") or ())]
 
 
 def pool_stats(socket_path: str, timeout: float = 10.0) -> dict[str, int]:

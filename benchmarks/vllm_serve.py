@@ -46,6 +46,7 @@ import numpy as np
 from serve_instances import (
     MODEL_NAME,
     Server,
+    chunk_tokens,
     free_port,
     kvflow_mooncake_extra,
     kvflow_transfer_config,
@@ -302,7 +303,7 @@ async def _stream(session: Any, url: str, prompt: list[int], max_tokens: int) ->
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            new = [t for c in json.loads(line[6:])["choices"] for t in c.get("token_ids") or ()]
+            new = chunk_tokens(json.loads(line[6:]))
             if new and ttft is None:
                 ttft = time.perf_counter() - sent
             tokens.extend(new)
