@@ -38,7 +38,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvflow.errors import KVFlowError, LayoutError
-from kvflow.integrations.vllm.caches import cache_layout, spec_fingerprint
+from kvflow.integrations.vllm.caches import (
+    cache_layout,
+    layer_backend,
+    spec_fingerprint,
+    vllm_cache_shape,
+)
 from kvflow.integrations.vllm.config import AUTO, ConnectorConfig
 from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
 from kvflow.integrations.vllm.support import check_supported
@@ -331,8 +336,16 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._rank = 0 if self._mla else tp_rank
         self._saves_here = not (self._mla and tp_rank != 0)
         self._debug_here = self.config.debug_rank in (None, tp_rank)
+        shape = None  # MLA: the shape vLLM's own cache spec gives each layer's tensor
+        if self._mla and kv_caches:
+            backend = layer_backend(self._vllm_config, next(iter(kv_caches)))
+            shape = vllm_cache_shape(self._spec, self._num_blocks, backend)
         names, layout = cache_layout(
-            kv_caches, num_blocks=self._num_blocks, block_size=self._block_size, mla=self._mla
+            kv_caches,
+            num_blocks=self._num_blocks,
+            block_size=self._block_size,
+            mla=self._mla,
+            expected_shape=shape,
         )
         page = getattr(self._spec, "page_size_bytes", None)
         if page is not None and layout.layer_block_bytes(0) != int(page):
