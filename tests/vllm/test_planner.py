@@ -78,13 +78,16 @@ def request(req_id: str, prompt_tokens: int, prefix: str | None = None) -> FakeR
 
 @dataclass
 class FakePool:
-    """A lookup backed by a set of stored chunk hashes; records every call's hashes."""
+    """A lookup backed by a set of stored chunk hashes; records every call's hashes (and, in
+    ``preceding``, the hashes it named as the chunks before them)."""
 
     stored: set[bytes] = field(default_factory=set)
     calls: list[list[bytes]] = field(default_factory=list)
+    preceding: list[list[bytes]] = field(default_factory=list)
 
-    def lookup(self, hashes: list[bytes]) -> np.ndarray:
+    def lookup(self, hashes: list[bytes], preceding: list[bytes]) -> np.ndarray:
         self.calls.append(list(hashes))
+        self.preceding.append(list(preceding))
         return np.array([h in self.stored for h in hashes], dtype=bool)
 
     def store(self, req: FakeRequest, chunks: Iterable[int]) -> None:
@@ -342,6 +345,7 @@ def test_load_carries_the_hit_chunks_blocks() -> None:
             tuple(req.chunk_hash(c) for c in range(1, 5)),
             tuple(blocks[1 * CB : 5 * CB]),
             1,
+            (req.chunk_hash(0),),
         )
     ]
     assert saves == []  # every prompt chunk is either local or loaded
@@ -460,6 +464,37 @@ def test_chunked_prefill_saves_each_chunk_once_in_the_step_that_completes_it() -
     assert s3 == []
     assert per_chunk(s4) == expected(req, [2], blocks)
     assert per_chunk(s5) == expected(req, [3, 4], blocks)
+
+
+def test_a_save_of_new_chunks_names_the_chunks_before_them() -> None:
+    """Each step's save moves only its new chunks and carries the hashes of every chunk before
+    them, for the pool's eviction order."""
+    pool = FakePool()
+    req = request("r", 4 * CT + 1)
+    p = planner(pool)
+    assert match(p, req) == 0
+    assert pool.preceding == [[]]  # looked up from chunk 0: nothing before
+    blocks = list(range(100, 109))
+
+    _, s1 = p.step([new(req, blocks[:4], 0, CT)])
+    _, s2 = p.step([running(req, blocks[4:], CT, 3 * CT + 1)])
+
+    assert [(t.first_chunk, t.preceding) for t in s1] == [(0, ())]
+    assert [(t.first_chunk, t.preceding) for t in s2] == [(1, (req.chunk_hash(0),))]
+    assert per_chunk(s2) == expected(req, range(1, 4), blocks)
+
+
+def test_a_lookup_and_load_after_vllms_cache_name_the_chunks_it_holds() -> None:
+    pool, req, p = stored("r", 5 * CT + 1, chunks=5)
+
+    assert match(p, req, 2 * CT) == 3 * CT  # vLLM's cache holds chunks 0 and 1
+    assert pool.preceding == [[req.chunk_hash(0), req.chunk_hash(1)]]
+    p.allocated(req.req_id, 3 * CT)
+    loads, _ = p.step([new(req, list(range(11)), 2 * CT, 1)])
+
+    assert [(t.first_chunk, t.preceding) for t in loads] == [
+        (2, (req.chunk_hash(0), req.chunk_hash(1)))
+    ]
 
 
 def test_decode_steps_save_nothing_past_the_prompt() -> None:

@@ -21,6 +21,7 @@ or reuse the blocks afterwards. Chunks that failed to load are reported by
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -52,7 +53,7 @@ from kvflow.pipeline.executor import call_pinned
 from kvflow.pipeline.sync import SyncLoadHandle, SyncSaveHandle, SyncTransferEngine
 from kvflow.pipeline.transfer import _STRAGGLER_GRACE
 from kvflow.results import ChunkStatus, TransferResult
-from kvflow.stores.base import Store
+from kvflow.stores.base import Store, SupportsPrefixContext
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from kvflow.stores.local import LocalStore
 
 __all__ = ["KVFlowConnector", "KVFlowConnectorMetadata", "KVFlowConnectorStats"]
 
@@ -259,14 +262,19 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._lookup_errors = 0
         self._lookups = _Bounded(self.config.lookup_timeout_s)
 
-    def _lookup(self, hashes: list[bytes]) -> np.ndarray:
+    def _lookup(self, hashes: list[bytes], preceding: list[bytes]) -> np.ndarray:
         """Per chunk: every rank's object stored. One store call for all ranks, bounded by
-        ``lookup_timeout_s``; a failing pool is a miss."""
+        ``lookup_timeout_s``; a failing pool is a miss. ``preceding``: the chunks before
+        (vLLM's cache holds them), named to a pool that orders eviction by prefix."""
         if self._store is None or not hashes:
             return np.zeros(len(hashes), dtype=bool)
         keys = [k for space in self._spaces for k in space.keys(hashes)]
+        lookup = self._store.lookup
+        if preceding and isinstance(self._store, SupportsPrefixContext):
+            context = [k for space in self._spaces for k in space.keys(preceding)]
+            lookup = functools.partial(self._store.lookup_with_context, context=context)
         try:
-            found = self._lookups.call(self._store.lookup, keys)
+            found = self._lookups.call(lookup, keys)
         except Exception as exc:  # any failure of the pool is a miss, never the scheduler's
             self._lookup_errors += 1
             log.warning("kvflow: pool lookup failed, counted as a miss: %r", exc)
@@ -407,7 +415,9 @@ class KVFlowConnector(KVConnectorBase_V1):
         if self._engine is None:  # the scheduler planned loads this worker cannot make
             step.load_failed = True
             return
-        requests = [(ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.loads]
+        requests = [
+            (ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids)) for t in step.meta.loads
+        ]
         try:
             step.load = self._engine.start_load(requests)
         except KVFlowError as exc:
@@ -421,7 +431,9 @@ class KVFlowConnector(KVConnectorBase_V1):
     def _begin_save(self, step: _Step) -> None:
         if self._engine is None or not step.meta.saves or not self._saves_here:
             return
-        requests = [(ChunkHashes(t.hashes), np.asarray(t.block_ids)) for t in step.meta.saves]
+        requests = [
+            (ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids)) for t in step.meta.saves
+        ]
         try:
             step.save = self._engine.start_save(requests)
         except KVFlowError as exc:  # a save that cannot start is dropped: a future miss
@@ -628,7 +640,7 @@ class _SharedLocal(Store):
     """One process's embedded pool, shared by its scheduler and worker connectors; closing it
     is a no-op (it lives as long as the process)."""
 
-    def __init__(self, inner: Store) -> None:
+    def __init__(self, inner: LocalStore) -> None:
         self.inner = inner
         self.inline_metadata = inner.inline_metadata
         self.device_memory = inner.device_memory
@@ -641,6 +653,15 @@ class _SharedLocal(Store):
 
     def lookup(self, keys: Any) -> np.ndarray:
         return self.inner.lookup(keys)
+
+    def lookup_with_context(self, keys: Any, context: Any) -> np.ndarray:
+        return self.inner.lookup_with_context(keys, context)
+
+    def open_write_with_context(self, keys: Any, nbytes: int, context: Any) -> Any:
+        return self.inner.open_write_with_context(keys, nbytes, context)
+
+    def open_read_with_context(self, keys: Any, context: Any) -> Any:
+        return self.inner.open_read_with_context(keys, context)
 
     def open_write(self, keys: Any, nbytes: int) -> Any:
         return self.inner.open_write(keys, nbytes)

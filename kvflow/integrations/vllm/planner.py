@@ -12,6 +12,11 @@ nothing, yet cost the step a write session. Chunks it did not see (a conversatio
 answer, which vLLM cached and no prompt saved) are saved, up to where the request's load
 starts. A chunk the pool dropped since, or whose planned save failed, is saved again at the
 first such hit after ``RECENT_S``, or sooner if a lookup finds it missing.
+
+Lookups, loads and saves that start after a prompt's first chunk (after what vLLM's cache holds,
+or at the new chunks) name the chunks before them too (``preceding``): the pool touches those
+after the moved ones, so that it evicts a prompt's tail before its head
+(``kvflow.SupportsPrefixContext``).
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ SEEN_LIMIT = 1 << 16  # chunk hashes remembered, by default
 
 @dataclass(frozen=True)
 class Transfer:
-    """One request's part of a step's load or save: chunk hashes and their blocks in order."""
+    """One request's part of a step's load or save: chunk hashes and their blocks in order,
+    from chunk ``first_chunk``; ``preceding``: the hashes of the prompt's chunks before it
+    (``kvflow.ChunkHashes.preceding``: not moved, they order the pool's eviction)."""
 
     req_id: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     first_chunk: int
+    preceding: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -80,17 +88,19 @@ class _Seen:
 
 
 class ChunkPlanner:
-    """``lookup(hashes)`` says, per chunk hash, whether every rank's object is in the pool (a
-    failing pool answers all False). ``seen_limit`` bounds the chunk hashes remembered as seen
-    in the pool (see the module's docstring); ``clock`` gives the time in seconds they are
-    remembered by. Not thread-safe: vLLM calls the scheduler side from one thread."""
+    """``lookup(hashes, preceding)`` says, per chunk hash, whether every rank's object is in
+    the pool (a failing pool answers all False); ``preceding`` are the hashes of the prompt's
+    chunks before them, for the pool's eviction order only. ``seen_limit`` bounds the chunk
+    hashes remembered as seen in the pool (see the module's docstring); ``clock`` gives the time
+    in seconds they are remembered by. Not thread-safe: vLLM calls the scheduler side from one
+    thread."""
 
     def __init__(
         self,
         *,
         block_size: int,
         chunk_blocks: int,
-        lookup: Callable[[list[bytes]], np.ndarray],
+        lookup: Callable[[list[bytes], list[bytes]], np.ndarray],
         load: bool = True,
         save: bool = True,
         seen_limit: int = SEEN_LIMIT,
@@ -133,7 +143,8 @@ class ChunkPlanner:
         if end <= first:
             return 0
         asked = self.chunk_hashes(hashes, first, end)
-        found = np.asarray(self._lookup(list(asked)), dtype=bool)
+        preceding = self.chunk_hashes(hashes, 0, first)
+        found = np.asarray(self._lookup(list(asked), list(preceding)), dtype=bool)
         self._seen.add(h for h, f in zip(asked, found, strict=True) if f)
         self._seen.discard(h for h, f in zip(asked, found, strict=True) if not f)
         misses = np.flatnonzero(~found)
@@ -219,4 +230,5 @@ class ChunkPlanner:
             self.chunk_hashes(hashes, first, end),
             tuple(t.block_ids[first * cb : end * cb]),
             first,
+            self.chunk_hashes(hashes, 0, first),
         )
