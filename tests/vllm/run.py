@@ -8,7 +8,9 @@ requests on). Writes per prompt the greedy tokens, the tokens vLLM did not compu
 (``num_cached_tokens``: the connector's hits, unless ``llm`` turns vLLM's prefix caching on)
 and the time to first token; with ``pool_socket``, ``pool_requests``: the pool's request
 counter before the first batch, after each batch, and once more after the last (so the last
-difference is what counting alone costs).
+difference is what counting alone costs). With ``counters`` (true), ``counters``: vLLM's
+counters after the last batch (``LLM.get_metrics``, summed over labels), such as
+``vllm:spec_decode_num_draft_tokens``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
             requests.append(_pool_requests(pool_socket))
     if pool_socket:
         requests.append(_pool_requests(pool_socket))
-    result = {
+    result: dict[str, Any] = {
         "ready_s": ready_s,
         "outputs": [
             {
@@ -69,8 +71,20 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
         ],
         "pool_requests": requests,
     }
+    if args.get("counters"):
+        result["counters"] = _counters(llm)
     del llm
     return result
+
+
+def _counters(llm: Any) -> dict[str, int]:
+    from vllm.v1.metrics.reader import Counter
+
+    out: dict[str, int] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter):
+            out[metric.name] = out.get(metric.name, 0) + int(metric.value)
+    return out
 
 
 def _pool_requests(pool_socket: str) -> int:

