@@ -12,7 +12,8 @@ Cost: off, every call site is one test of the module flag ``ENABLED``
 (``if trace.ENABLED: ...``); nothing else runs. On, an event is a tuple appended to a ring
 buffer of ``BUFFER_EVENTS`` (the oldest are dropped if the writer falls that far behind); a
 writer thread appends the buffer to the file every ``FLUSH_S`` seconds, and ``stop()`` (also
-run at exit) writes the rest and the closing ``]``. A process killed before that leaves a file
+run at exit) writes the rest and the closing ``]``; ``flush()`` writes what is buffered (the
+vLLM connector calls it when vLLM shuts it down). A process killed before that leaves a file
 without the ``]``, which both viewers accept (the format allows it).
 
 Concurrency: every function may be called from any thread.
@@ -35,6 +36,7 @@ __all__ = [
     "async_begin",
     "async_end",
     "complete",
+    "flush",
     "instant",
     "now",
     "path_for",
@@ -146,6 +148,14 @@ def stop() -> str | None:
         f.close()
         _state["file"] = None
         return str(f.name)
+
+
+def flush() -> None:
+    """Write what is buffered now (the file stays open): for a component that is shutting
+    down in a process that may be killed rather than exit."""
+    with _lock:
+        if ENABLED:
+            _flush()
 
 
 def _write_loop(stopping: threading.Event) -> None:

@@ -87,16 +87,62 @@ def test_out_of_the_box_cold_then_warm(
 
 
 def test_partial_hits_in_a_mixed_batch(
-    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str, tmp_path: Path
 ) -> None:
+    """Also: the connector's counters reach vLLM's Prometheus registry, and ``KVFLOW_TRACE``
+    writes a trace of the run."""
     extra = shared_extra(pool_dir)
     cold = vllm([A, C], extra=extra)
     assert cached(cold) == [0, 0]
     new = _tokens(90, 5)  # in the same batch, a prompt the pool has never seen
-    warm = vllm([A, B, new, C], extra=extra)
+    env = {"KVFLOW_TRACE": str(tmp_path / "kv.json")}
+    warm = vllm([A, B, new, C], extra=extra, counters=True, env=env)
     assert cached(warm) == [_hit(A), _hit(B, shared=200), 0, _hit(C)]
     assert tokens(warm)[0:2] == [baseline["A"], baseline["B"]]
     assert tokens(warm)[3] == baseline["C"]
+    check_counters(warm["counters"], hits=sum(cached(warm)))
+    check_trace(tmp_path)
+
+
+# the tiny model's KV bytes per token: layers x (K, V) x KV heads x head size x 2 or 4 bytes
+# (vLLM runs the float32 weights in half precision unless told otherwise)
+TOKEN_BYTES = (4 * 2 * 2 * 64 * 2, 4 * 2 * 2 * 64 * 4)
+
+
+def check_counters(counters: dict[str, int], hits: int) -> None:
+    """The warm run of test_partial_hits_in_a_mixed_batch, on ``LLM.get_metrics()``."""
+    kv = {k.removeprefix("vllm:kvflow_"): v for k, v in counters.items() if "kvflow" in k}
+    assert kv["hit_tokens"] == kv["loaded_tokens"] == hits
+    # asked and not found: B's chunks 6-8 (after the 200 tokens it shares), 2 chunks of `new`
+    assert kv["miss_tokens"] == (3 + 2) * CHUNK
+    assert kv["lookups"] == 4 and kv["lookup_errors"] == 0
+    token_bytes = kv["loaded_bytes"] // hits
+    assert token_bytes in TOKEN_BYTES and kv["loaded_bytes"] == hits * token_bytes
+    assert kv["saved_tokens"] == (3 + 2) * CHUNK  # what the lookups missed
+    assert kv["saved_bytes"] == kv["saved_tokens"] * token_bytes
+    assert kv["load_failed_chunks"] == kv["save_failed_chunks"] == 0
+    assert kv["layer_waits"] >= 4 and kv["loads"] >= 1 and kv["saves"] >= 1
+
+
+def check_trace(directory: Path) -> None:
+    """The vLLM processes' trace files: Chrome trace JSON with the step's and layers' events."""
+    files = sorted(directory.glob("kv.*.json"))
+    assert files, list(directory.iterdir())
+    events: list[dict[str, Any]] = []
+    for path in files:
+        text = path.read_text()
+        if not text.rstrip().endswith("]"):  # a process killed before exit: allowed by Chrome
+            text += "\n]"
+        events += json.loads(text)
+    roles = {e["args"]["name"].split()[1] for e in events if e["name"] == "process_name"}
+    assert {"scheduler", "worker"} <= {r for joined in roles for r in joined.split("+")}
+    names = {e["name"] for e in events}
+    for name in ("lookup", "build_connector_meta", "wait_for_save", "step_load", "step_save"):
+        assert name in names, sorted(names)
+    for name in ("wait_layer", "load_copy", "save_copy", "layer_written"):
+        layers = {e["args"]["layer"] for e in events if e["name"] == name}
+        assert layers == {0, 1, 2, 3}, (name, layers)
+    assert {"store.open_read", "store.open_write"} <= names
 
 
 def test_chunked_prefill_saves_and_loads_a_long_prompt(

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvflow import trace
 from kvflow.errors import KVFlowError, LayoutError
 from kvflow.integrations.vllm.caches import (
     cache_layout,
@@ -46,6 +47,7 @@ from kvflow.integrations.vllm.caches import (
     vllm_cache_shape,
 )
 from kvflow.integrations.vllm.config import AUTO, ConnectorConfig
+from kvflow.integrations.vllm.metrics import KVFlowConnectorStats, KVFlowPromMetrics
 from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
 from kvflow.integrations.vllm.support import check_supported
 from kvflow.keys import ChunkHashes, KeySpace
@@ -57,6 +59,7 @@ from kvflow.stores.base import Store, SupportsPrefixContext
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -91,50 +94,6 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
 
 
-@dataclass
-class KVFlowConnectorStats(KVConnectorStats):
-    """Worker counters for one logging interval, summed over workers and steps."""
-
-    data: dict[str, Any] = field(default_factory=dict)
-    FIELDS = (
-        "loads",
-        "loaded_tokens",
-        "load_failed_tokens",
-        "saves",
-        "saved_tokens",
-        "save_skipped_tokens",
-        "save_failed_tokens",
-        "layer_waits",
-        "layer_wait_s",
-        "layer_wait_max_s",
-    )
-
-    def __post_init__(self) -> None:
-        for name in self.FIELDS:
-            self.data.setdefault(name, 0)
-
-    def reset(self) -> None:
-        self.data = dict.fromkeys(self.FIELDS, 0)
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name in self.FIELDS:
-            value = other.data.get(name, 0)
-            if name == "layer_wait_max_s":
-                self.data[name] = max(self.data[name], value)
-            else:
-                self.data[name] += value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {name: self.data[name] for name in self.FIELDS}
-        waits = self.data["layer_waits"]
-        out["layer_wait_mean_ms"] = 1e3 * self.data["layer_wait_s"] / waits if waits else 0.0
-        return out
-
-    def is_empty(self) -> bool:
-        return not any(self.data[name] for name in ("loads", "saves"))
-
-
 class _Step:
     """The worker's state for one step: its plan, and the transfers started from it."""
 
@@ -147,6 +106,7 @@ class _Step:
         self.save_stopped = False
         self.save_written = False  # some layer reached the save (else the step had no forward)
         self.ended = False
+        self.ident = id(self)  # the trace's id of the step's load and save spans
 
 
 class KVFlowConnector(KVConnectorBase_V1):
@@ -170,6 +130,7 @@ class KVFlowConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
+        trace.set_role(role.name.lower())
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra_config(extra)
         assert kv_cache_config is not None, "this vLLM passes no kv_cache_config"
@@ -193,7 +154,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._store: Store | None = None
         self._store_error: str | None = None
         self._copy_cpus: tuple[int, ...] = ()  # a worker's, set with its KV caches
-        self._stats = KVFlowConnectorStats()  # the worker's; the scheduler's stay empty
+        self._stats = KVFlowConnectorStats()  # this role's, drained by vLLM every step
         self._stats_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
@@ -243,6 +204,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         if self._store is not None:
             self._store.close()
             self._store = None
+        if trace.ENABLED:
+            trace.flush()  # vLLM may end this process without running its exit handlers
 
     # -- scheduler side -----------------------------------------------------------------------
 
@@ -260,6 +223,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             seen_limit=2 * self._num_blocks // self._chunk_blocks,
         )
         self._lookup_errors = 0
+        self._asked = 0  # chunks looked up, so far
         self._lookups = _Bounded(self.config.lookup_timeout_s)
 
     def _lookup(self, hashes: list[bytes], preceding: list[bytes]) -> np.ndarray:
@@ -273,24 +237,36 @@ class KVFlowConnector(KVConnectorBase_V1):
         if preceding and isinstance(self._store, SupportsPrefixContext):
             context = [k for space in self._spaces for k in space.keys(preceding)]
             lookup = functools.partial(self._store.lookup_with_context, context=context)
+        self._asked += len(hashes)
+        begun = trace.now() if trace.ENABLED else 0
         try:
             found = self._lookups.call(lookup, keys)
         except Exception as exc:  # any failure of the pool is a miss, never the scheduler's
             self._lookup_errors += 1
+            with self._stats_lock:
+                self._stats.data["lookup_errors"] += 1
             log.warning("kvflow: pool lookup failed, counted as a miss: %r", exc)
             return np.zeros(len(hashes), dtype=bool)
+        finally:
+            if begun:
+                trace.complete("lookup", begun, "scheduler", chunks=len(hashes))
         found = np.asarray(found, dtype=bool).reshape(len(self._spaces), len(hashes))
         return np.asarray(found.all(axis=0), dtype=bool)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        asked = self._asked
         tokens = self._planner.matched_tokens(
             request.request_id,
             lambda: request.block_hashes,
             request.num_prompt_tokens,
             num_computed_tokens,
         )
+        if self._asked > asked:  # the pool was asked
+            with self._stats_lock:
+                chunk_tokens = self._chunk_blocks * self._block_size
+                self._stats.record_lookup((self._asked - asked) * chunk_tokens, tokens)
         return tokens, False
 
     def update_state_after_alloc(
@@ -299,6 +275,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._planner.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        begun = trace.now() if trace.ENABLED else 0
+        meta = self._build_meta(scheduler_output)
+        if begun:
+            loads, saves = len(meta.loads), len(meta.saves)
+            trace.complete("build_connector_meta", begun, "scheduler", loads=loads, saves=saves)
+        return meta
+
+    def _build_meta(self, scheduler_output: SchedulerOutput) -> KVFlowConnectorMetadata:
         n = scheduler_output.num_scheduled_tokens
         scheduled: list[tuple[str, Any, bool, int, int]] = [
             (r.req_id, r.block_ids[0], True, r.num_computed_tokens, n.get(r.req_id, 0))
@@ -335,6 +319,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._rank = 0
         self._saves_here = True
+        self._block_bytes = 0  # one block, every layer
         self._debug_here = True  # the debug hooks act in this worker (config.debug_rank)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -363,6 +348,7 @@ class KVFlowConnector(KVConnectorBase_V1):
                 f"vLLM's cache spec says {page}: kvflow does not know this layout",
             )
         self._layer_index = {name: i for i, name in enumerate(names)}
+        self._block_bytes = sum(layout.layer_block_bytes(i) for i in range(layout.num_layers))
         self._copy_cpus = self.config.copy_cpus_here(layout.device)  # vLLM has bound its threads
         model_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         log.info(
@@ -396,7 +382,10 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._step = _Step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        begun = trace.now() if trace.ENABLED else 0
         self._start_load()
+        if begun:
+            trace.complete("start_load_kv", begun, "step")
 
     def _start_load(self) -> _Step | None:
         """Start the step's transfers, once, at its first hook: the load, then the save (whose
@@ -418,6 +407,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         requests = [
             (ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids)) for t in step.meta.loads
         ]
+        if trace.ENABLED:
+            trace.async_begin("step_load", step.ident, "step", requests=len(requests))
         try:
             step.load = self._engine.start_load(requests)
         except KVFlowError as exc:
@@ -434,6 +425,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         requests = [
             (ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids)) for t in step.meta.saves
         ]
+        if trace.ENABLED:
+            trace.async_begin("step_save", step.ident, "step", requests=len(requests))
         try:
             step.save = self._engine.start_save(requests)
         except KVFlowError as exc:  # a save that cannot start is dropped: a future miss
@@ -460,10 +453,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             step.load_failed = True
         waited = time.perf_counter() - start
         with self._stats_lock:
-            d = self._stats.data
-            d["layer_waits"] += 1
-            d["layer_wait_s"] += waited
-            d["layer_wait_max_s"] = max(d["layer_wait_max_s"], waited)
+            self._stats.record_layer_wait(waited)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -480,7 +470,10 @@ class KVFlowConnector(KVConnectorBase_V1):
             step.save_stopped = True
 
     def wait_for_save(self) -> None:
+        begun = trace.now() if trace.ENABLED else 0
         self._end_step(self._step)
+        if begun:
+            trace.complete("wait_for_save", begun, "step")
 
     def _end_step(self, step: _Step | None) -> None:
         """End the step's transfers before vLLM may reuse its blocks: the load first (its
@@ -497,19 +490,26 @@ class KVFlowConnector(KVConnectorBase_V1):
                 self._drop(step.save, "save")
             else:
                 self._finish_save(step.save)
+            if trace.ENABLED:
+                trace.async_end("step_save", step.ident, "step")
 
     def _finish_save(self, handle: SyncSaveHandle) -> None:
+        backlog = handle.handle.backlog  # layers still to copy (it opened: layers came)
         result = self._result(handle, "save")
         tokens_per_chunk = self._chunk_blocks * self._block_size
         with self._stats_lock:
             d = self._stats.data
             d["saves"] += 1
+            self._stats.record_save_backlog(backlog)
             if result is None:
                 return
-            d["saved_tokens"] += result.count(ChunkStatus.OK) * tokens_per_chunk
+            ok, failed = result.count(ChunkStatus.OK), result.count(ChunkStatus.FAILED)
+            d["saved_tokens"] += ok * tokens_per_chunk
+            d["saved_bytes"] += ok * self._chunk_blocks * self._block_bytes
             skipped = result.count(ChunkStatus.EXISTS) + result.count(ChunkStatus.NO_SPACE)
             d["save_skipped_tokens"] += skipped * tokens_per_chunk
-            d["save_failed_tokens"] += result.count(ChunkStatus.FAILED) * tokens_per_chunk
+            d["save_failed_tokens"] += failed * tokens_per_chunk
+            d["save_failed_chunks"] += failed
 
     def _finish_load(self, step: _Step) -> None:
         result = self._result(step.load, "load") if step.load is not None else None
@@ -524,11 +524,15 @@ class KVFlowConnector(KVConnectorBase_V1):
             if self.config.debug_corrupt_loads and self._debug_here:
                 self._corrupt(np.asarray([b for b in planned if b not in failed], dtype=np.int64))
         self._load_errors |= failed
+        if trace.ENABLED:
+            trace.async_end("step_load", step.ident, "step", failed_blocks=len(failed))
         with self._stats_lock:
             d = self._stats.data
             d["loads"] += 1
             d["loaded_tokens"] += (len(planned) - len(failed)) * self._block_size
+            d["loaded_bytes"] += (len(planned) - len(failed)) * self._block_bytes
             d["load_failed_tokens"] += len(failed) * self._block_size
+            d["load_failed_chunks"] += -(-len(failed) // self._chunk_blocks)
 
     def _result(
         self, handle: SyncLoadHandle | SyncSaveHandle | None, what: str
@@ -599,6 +603,16 @@ class KVFlowConnector(KVConnectorBase_V1):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return KVFlowConnectorStats(data=dict(data)) if data is not None else KVFlowConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 def _make_store(config: ConnectorConfig, scheduler: bool, device: str = "cpu") -> Store:
