@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -134,9 +135,11 @@ def start_rows(
         transfer: dict[str, Any] | None = None
         count = 2 if row == "kvflow_two_servers" else 1
         if row in ("kvflow", "kvflow_two_servers"):  # defaults: the pool starts itself
-            socket = f"{tempfile.mkdtemp(prefix='kvs-', dir='/tmp')}/pool.sock"
+            directory = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+            socket = f"{directory}/pool.sock"
             env["KVFLOW_POOL_SOCKET"] = socket
-            stack.callback(stop_pool, socket)
+            stack.callback(shutil.rmtree, directory, ignore_errors=True)
+            stack.callback(stop_pool, socket)  # first: callbacks run last to first
             transfer = kvflow_transfer_config({})
         elif row == "kvflow_mooncake":
             master = stack.enter_context(MooncakeMaster()).address
