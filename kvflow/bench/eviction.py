@@ -4,11 +4,15 @@ A prompt mix (system prompts shared by many conversations, conversations that gr
 repeats, lookups of earlier prompts' prefixes) is keyed with the real prefix-chained chunk keys
 and replayed through a pool that holds a fraction of its chunks: per request a lookup, then for
 a served prompt a load of the hit (``open_read``/``close_read``) and a save (``open_write``/
-``finish_write``). Two save patterns:
+``finish_write``). Three save patterns:
 
 * ``whole``: the whole prompt in one call, as ``TransferEngine.save`` does;
-* ``new``: only the chunks after the hit, ``SEGMENT`` per call, as the vLLM connector saves a
-  long prompt's new chunks step by step (chunked prefill).
+* ``new``: only the chunks after the hit, ``SEGMENT`` per call, as the vLLM connector saved a
+  long prompt's new chunks step by step (chunked prefill) before it named the chunks before
+  them;
+* ``new_context``: the same calls, each naming the prompt's chunks before its own as context
+  (``SupportsPrefixContext``), as the vLLM connector does now. The model of the old policy has
+  no context: its row is the ``new`` one's.
 
 Figures: ``reachable``, the share of the pool's used bytes that a lookup from a prompt's start
 reaches (a chunk after a missing one never is), and ``hit_rate``, the chunks that lookups found
@@ -35,14 +39,32 @@ from kvflow.bench.stores import bench_store
 from kvflow.errors import ConfigError
 from kvflow.keys import KeySpace, chunk_hashes
 from kvflow.stores.arena import SLOT_ALIGN
-from kvflow.stores.base import ReadSession, StoreUsage, WriteSession, WriteStatus
+from kvflow.stores.base import (
+    ReadSession,
+    StoreUsage,
+    SupportsPrefixContext,
+    WriteSession,
+    WriteStatus,
+)
 
-__all__ = ["PATTERNS", "PlainLru", "Request", "check", "measure", "prompt_mix", "replay", "run"]
+__all__ = [
+    "PATTERNS",
+    "TARGET_PATTERNS",
+    "PlainLru",
+    "Request",
+    "check",
+    "label",
+    "measure",
+    "prompt_mix",
+    "replay",
+    "run",
+]
 
 TOKENS_PER_CHUNK = 16
 OBJECT_BYTES = SLOT_ALIGN  # one slot per chunk: the figures count chunks
-SEGMENT = 4  # chunks per save call in the ``new`` pattern
-PATTERNS = ("whole", "new")
+SEGMENT = 4  # chunks per save call in the ``new`` patterns
+PATTERNS = ("whole", "new", "new_context")
+TARGET_PATTERNS = ("whole", "new_context")  # the pools keep >= 99 % reachable for these
 _MAX_CHUNKS = 48  # a conversation ends when its prompt would pass this
 
 
@@ -130,8 +152,18 @@ def replay(pool: Pool, trace: Sequence[Request], pattern: str) -> tuple[int, int
             _save(pool, keys)
         else:
             for start in range(hit, len(keys), SEGMENT):
-                _save(pool, keys[start : start + SEGMENT])
+                context = keys[:start] if pattern == "new_context" else ()
+                _save(pool, keys[start : start + SEGMENT], context)
     return hits, asked
+
+
+def label(pattern: str) -> str:
+    """How the report names a save pattern."""
+    return {
+        "whole": "whole prompt",
+        "new": f"new chunks, {SEGMENT} a call",
+        "new_context": f"new chunks, {SEGMENT} a call, naming the chunks before",
+    }[pattern]
 
 
 def reachable_share(pool: Pool, trace: Sequence[Request]) -> float:
@@ -188,7 +220,8 @@ def pools(objects: int) -> dict[str, Callable[[], AbstractContextManager[Pool]]]
 
 def run(requests: int, objects: int, checkpoints: int, seed: int = 0) -> dict[str, Any]:
     """Every pattern on every pool of ``pools``; JSON-ready. ``ratio``: after (the local pool)
-    over before, per pattern."""
+    over before, per pattern; ``context_ratio``: the local pool's ``new_context`` over its
+    ``new`` (what naming the chunks before a save gains)."""
     check(requests, objects, checkpoints)
     trace = prompt_mix(requests, seed)
     rows: list[dict[str, Any]] = []
@@ -206,6 +239,11 @@ def run(requests: int, objects: int, checkpoints: int, seed: int = 0) -> dict[st
         }
         for pattern in PATTERNS
     }
+    with_context, without = by["new_context", "local"], by["new", "local"]
+    context_ratio = {
+        what: with_context[what] / without[what] if without[what] else math.inf
+        for what in ("reachable", "reachable_min", "hit_rate")
+    }
     return {
         "requests": requests,
         "pool_chunks": objects,
@@ -214,6 +252,7 @@ def run(requests: int, objects: int, checkpoints: int, seed: int = 0) -> dict[st
         "segment": SEGMENT,
         "rows": rows,
         "ratio": ratio,
+        "context_ratio": context_ratio,
     }
 
 
@@ -289,6 +328,10 @@ def _leading(found: np.ndarray) -> int:
     return int(misses[0]) if misses.size else len(found)
 
 
-def _save(pool: Pool, keys: Sequence[str]) -> None:
-    session = pool.open_write(keys, OBJECT_BYTES)
+def _save(pool: Pool, keys: Sequence[str], context: Sequence[str] = ()) -> None:
+    """One save call; ``context`` goes to pools that take it (the model has none)."""
+    if context and isinstance(pool, SupportsPrefixContext):
+        session = pool.open_write_with_context(keys, OBJECT_BYTES, context)
+    else:
+        session = pool.open_write(keys, OBJECT_BYTES)
     pool.finish_write(session, np.ones(len(keys), dtype=bool))

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     reachable = all(
         r["reachable_min"] >= 0.99
         for r in evicting["rows"]
-        if r["pattern"] == "whole" and r["pool"] != "before"
+        if r["pattern"] in eviction.TARGET_PATTERNS and r["pool"] != "before"
     )
     result["targets"] = {
         "copy_ratio_ge_0.90": ok,
@@ -311,7 +311,7 @@ def _print(result: dict[str, Any], report: Report) -> None:
         ["saves", "policy", "pool", "reachable", "hit rate"],
         [
             (
-                "whole prompt" if pattern == "whole" else f"new chunks, {ev['segment']} a call",
+                eviction.label(pattern),
                 "plain LRU (before)" if pool == "before" else "tail-first",
                 "model" if pool == "before" else pool,
                 f"{r['reachable']:.1%} ({r['reachable_min']:.1%})",
@@ -327,6 +327,12 @@ def _print(result: dict[str, Any], report: Report) -> None:
             (pattern, f"x{q['reachable']:.3f}", f"x{q['hit_rate']:.3f}")
             for pattern, q in ev["ratio"].items()
         ],
+    )
+    q = ev["context_ratio"]
+    report.table(
+        "eviction: new-chunk saves naming the chunks before (local) over not naming them",
+        ["reachable", "worst point", "hit rate"],
+        [(f"x{q['reachable']:.3f}", f"x{q['reachable_min']:.3f}", f"x{q['hit_rate']:.3f}")],
     )
 
 

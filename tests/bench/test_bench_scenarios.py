@@ -67,12 +67,16 @@ def test_pool(tmp_path: Path) -> None:
     assert (ev["requests"], ev["pool_chunks"]) == (300, 24)
     assert ev["distinct_chunks"] > 4 * ev["pool_chunks"]  # under pressure
     rows = {(r["pattern"], r["pool"]): r for r in ev["rows"]}
-    assert set(rows) == {(p, k) for p in ("whole", "new") for k in ("before", "local", "shared")}
-    for p in ("whole", "new"):  # one index behind both pools: the same figures
+    patterns = ("whole", "new", "new_context")
+    assert set(rows) == {(p, k) for p in patterns for k in ("before", "local", "shared")}
+    for p in patterns:  # one index behind both pools: the same figures
         assert {k: v for k, v in rows[p, "local"].items() if k != "pool"} == {
             k: v for k, v in rows[p, "shared"].items() if k != "pool"
         }
     assert rows["whole", "local"]["reachable_min"] == 1.0
+    assert rows["new_context", "local"]["reachable_min"] == 1.0
+    assert rows["new_context", "before"] == {**rows["new", "before"], "pattern": "new_context"}
+    assert set(ev["context_ratio"]) == {"reachable", "reachable_min", "hit_rate"}
     assert result["targets"]["reachable_ge_0.99"] is True
     assert 0 < rows["whole", "before"]["hit_rate"] <= rows["whole", "local"]["hit_rate"] < 1
 

@@ -49,6 +49,24 @@ def test_the_model_matches_the_pools_where_no_eviction_happens() -> None:
         store.close()
 
 
+def test_new_chunk_saves_naming_the_chunks_before_keep_every_stored_chunk_reachable() -> None:
+    """Under pressure (16 chunks for 300 requests), saves of only the new chunks leave chunks no
+    lookup reaches unless each names the chunks before it; naming them keeps all reachable and
+    the model of the old policy, which has no context, is unchanged by it."""
+    trace = prompt_mix(300, seed=0)
+    shares = {}
+    for pattern in ("new", "new_context"):
+        store = LocalStore(16 * OBJECT_BYTES)
+        try:
+            replay(store, trace, pattern)
+            shares[pattern] = eviction.reachable_share(store, trace)
+        finally:
+            store.close()
+    assert shares["new"] < 0.9
+    assert shares["new_context"] == 1.0
+    assert replay(PlainLru(16), trace, "new") == replay(PlainLru(16), trace, "new_context")
+
+
 @pytest.mark.parametrize(
     ("sizes", "option"),
     [
