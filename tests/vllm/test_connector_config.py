@@ -93,6 +93,7 @@ def test_every_key_is_accepted() -> None:
         "model": "tiny",
         "debug_corrupt_loads": True,
         "debug_fail_loads": True,
+        "debug_skip_saves": True,
         "debug_rank": 1,
     }
     assert set(extra) == {f.name for f in dataclasses.fields(ConnectorConfig)}
@@ -138,6 +139,7 @@ def test_unknown_key_lists_the_known_ones() -> None:
         ("save", None),
         ("load", 0),
         ("debug_corrupt_loads", "true"),
+        ("debug_skip_saves", 1),
         ("debug_rank", -1),
         ("debug_rank", "1"),
         ("debug_rank", True),

@@ -69,6 +69,8 @@ class ConnectorConfig:
             load (proves the loaded KV is really used). Never set it in production.
         debug_fail_loads: a test hook: report every loaded block as failed (vLLM then
             recomputes them, or fails the request, per its ``kv_load_failure_policy``).
+        debug_skip_saves: a test hook: the worker saves nothing (with ``debug_rank``: as if
+            the pool had lost that rank's objects).
         debug_rank: the debug hooks act only in the worker of this tensor-parallel rank
             (default: in every worker), as a failure of one rank would.
     """
@@ -92,12 +94,14 @@ class ConnectorConfig:
     model: str = ""
     debug_corrupt_loads: bool = False
     debug_fail_loads: bool = False
+    debug_skip_saves: bool = False
     debug_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.store not in STORES:
             raise ConfigError("store", self.store, f"expected one of {STORES}")
-        for name in ("use_layerwise", "save", "load", "debug_corrupt_loads", "debug_fail_loads"):
+        flags = ("use_layerwise", "save", "load", "debug_corrupt_loads", "debug_fail_loads")
+        for name in (*flags, "debug_skip_saves"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "must be true or false")
         for name in ("shared", "mooncake", "memcache"):

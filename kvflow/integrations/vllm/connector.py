@@ -105,6 +105,7 @@ class _Step:
         self.load_failed = False  # some block of the load is lost (all, before its result)
         self.save_stopped = False
         self.save_written = False  # some layer reached the save (else the step had no forward)
+        self.held_layer: int | None = None  # the last layer, held from the save (see _end_step)
         self.ended = False
         self.ident = id(self)  # the trace's id of the step's load and save spans
 
@@ -321,6 +322,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._saves_here = True
         self._block_bytes = 0  # one block, every layer
         self._debug_here = True  # the debug hooks act in this worker (config.debug_rank)
+        self._last_layer = -1
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -348,6 +350,7 @@ class KVFlowConnector(KVConnectorBase_V1):
                 f"vLLM's cache spec says {page}: kvflow does not know this layout",
             )
         self._layer_index = {name: i for i, name in enumerate(names)}
+        self._last_layer = len(names) - 1
         self._block_bytes = sum(layout.layer_block_bytes(i) for i in range(layout.num_layers))
         self._copy_cpus = self.config.copy_cpus_here(layout.device)  # vLLM has bound its threads
         model_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -422,6 +425,8 @@ class KVFlowConnector(KVConnectorBase_V1):
     def _begin_save(self, step: _Step) -> None:
         if self._engine is None or not step.meta.saves or not self._saves_here:
             return
+        if self.config.debug_skip_saves and self._debug_here:
+            return
         requests = [
             (ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids)) for t in step.meta.saves
         ]
@@ -464,6 +469,9 @@ class KVFlowConnector(KVConnectorBase_V1):
             return
         try:
             step.save_written = True
+            if step.meta.loads and layer == self._last_layer:
+                step.held_layer = layer  # the save cannot end before the loads are known good
+                return
             step.save.layer_written(layer, timeout=self.config.op_timeout_s)
         except KVFlowError as exc:  # a save that cannot go on is dropped: a future miss
             log.warning("kvflow: the step's save stopped at %s: %s", layer_name, exc)
@@ -478,20 +486,52 @@ class KVFlowConnector(KVConnectorBase_V1):
     def _end_step(self, step: _Step | None) -> None:
         """End the step's transfers before vLLM may reuse its blocks: the load first (its
         failed blocks are reported), then the save, which is dropped when any load of the step
-        failed (its chunks may have been computed over a bad prefix)."""
+        failed on any tensor-parallel rank (its chunks may have been computed over a bad
+        prefix). In a step with a load the save holds its last layer until then, so it cannot
+        end, and store its chunks, before."""
         if step is None or step.ended:
             return
         step.ended = True
         self._start_load()
         if step.load is not None or step.load_failed:
             self._finish_load(step)
+        failed = step.load_failed
+        if step.meta.loads and step.meta.saves:  # the same on every rank: all of them agree
+            failed = self._failed_on_any_rank(failed)
         if step.save is not None:
-            if step.load_failed or step.save_stopped or not step.save_written:
+            if failed or step.save_stopped or not step.save_written:
                 self._drop(step.save, "save")
-            else:
+            elif self._release_held(step):
                 self._finish_save(step.save)
             if trace.ENABLED:
                 trace.async_end("step_save", step.ident, "step")
+
+    def _failed_on_any_rank(self, failed: bool) -> bool:
+        """Whether the step's load failed on any tensor-parallel rank. Attention outputs are
+        summed over the ranks, so the KV every rank computes in the step rests on every rank's
+        loaded KV. One all-reduce on vLLM's CPU group of the tensor-parallel workers (bounded
+        by its timeout), in steps that load and save."""
+        if self._tp_size == 1:
+            return failed
+        from vllm.distributed.parallel_state import get_tp_group
+
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        group = get_tp_group().cpu_group
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def _release_held(self, step: _Step) -> bool:
+        """Hand the held last layer to the save; False when the save stopped there."""
+        assert step.save is not None
+        if step.held_layer is None:
+            return True
+        try:
+            step.save.layer_written(step.held_layer, timeout=self.config.op_timeout_s)
+        except KVFlowError as exc:
+            log.warning("kvflow: the step's save stopped at its last layer: %s", exc)
+            self._drop(step.save, "save")
+            return False
+        return True
 
     def _finish_save(self, handle: SyncSaveHandle) -> None:
         backlog = handle.handle.backlog  # layers still to copy (it opened: layers came)
