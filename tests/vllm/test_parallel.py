@@ -25,11 +25,14 @@ def test_tensor_parallel_2(vllm: VllmRun, pool_dir: str) -> None:
     1. Cold: A saved on both ranks.
     2. Rank 1 saves nothing (``debug_skip_saves`` on ``debug_rank`` 1): B loads A's shared
        chunks on both ranks; B's own chunks and C's are then on rank 0 only.
-    3. Every block rank 1 loads is reported failed: B's hit stops where rank 1's objects do
-       (a chunk one rank lacks is no hit), C has none. vLLM joins the failed blocks of all
+    3. B alone; every block rank 1 loads is reported failed: B's hit stops where rank 1's
+       objects do (a chunk one rank lacks is no hit). vLLM joins the failed blocks of all
        ranks, so both recompute B and the tokens stay exact; no rank saves that step's chunks
-       (they rest on every rank's loaded KV), so rank 1 still lacks them.
-    4. Warm: A loads all its chunks, B only those it shares with A, C none."""
+       (they rest on every rank's loaded KV), so rank 1 still lacks them. C stays out of this
+       phase: whether vLLM's engine process schedules it in B's step depends on when its
+       request arrives, and only in B's step is its save dropped.
+    4. Warm: A loads all its chunks, B only those it shares with A, C none (rank 1 lacks
+       it)."""
     plain = tokens(vllm([A, B, C], llm=TP2, env=ENV_TP2))
     extra = shared_extra(pool_dir)
     cold = vllm([A], extra=extra, llm=TP2, env=ENV_TP2)
@@ -43,10 +46,10 @@ def test_tensor_parallel_2(vllm: VllmRun, pool_dir: str) -> None:
     assert tokens(rank1_saves_nothing) == plain[1:]
 
     rank1_fails = vllm(
-        [B, C], extra={**extra, "debug_fail_loads": True, "debug_rank": 1}, llm=TP2, env=ENV_TP2
+        [B], extra={**extra, "debug_fail_loads": True, "debug_rank": 1}, llm=TP2, env=ENV_TP2
     )
-    assert cached(rank1_fails) == [_hit(B, shared=200), 0]
-    assert tokens(rank1_fails) == plain[1:]
+    assert cached(rank1_fails) == [_hit(B, shared=200)]
+    assert tokens(rank1_fails) == plain[1:2]
     assert "Recovered from KV load failure" in rank1_fails["log"]
 
     warm = vllm([A, B, C], extra=extra, llm=TP2, env=ENV_TP2)
