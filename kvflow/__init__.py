@@ -30,7 +30,7 @@ from kvflow.errors import (
     TransferTimeoutError,
 )
 from kvflow.keys import ChunkHashes, KeySpace, chunk_hashes
-from kvflow.layout import KVLayout, KVPart
+from kvflow.layout import SKIP_BLOCK, KVLayout, KVPart
 from kvflow.pipeline import (
     LoadHandle,
     SaveHandle,
@@ -100,6 +100,7 @@ __all__ = [
     "PoolRunningError",
     "ProtocolError",
     "ReadSession",
+    "SKIP_BLOCK",
     "Request",
     "RequestResult",
     "SaveHandle",

@@ -27,9 +27,10 @@ from kvflow.errors import InvalidArgumentError, LayoutError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVLayout", "KVPart", "LAYOUT_FORMAT_VERSION"]
+__all__ = ["KVLayout", "KVPart", "LAYOUT_FORMAT_VERSION", "SKIP_BLOCK"]
 
 LAYOUT_FORMAT_VERSION = 1
+SKIP_BLOCK = -1  # a load's block id for a place whose KV the caller holds: nothing is written
 
 
 @dataclass(frozen=True)
@@ -258,13 +259,19 @@ class KVLayout:
             )
         return int(layer)
 
-    def check_block_ids(self, block_ids: Any, *, argument: str = "block_ids") -> np.ndarray:
-        """Block ids as an int64 array; refuses non-integers and ids outside [0, num_blocks)."""
+    def check_block_ids(
+        self, block_ids: Any, *, argument: str = "block_ids", skip: bool = False
+    ) -> np.ndarray:
+        """Block ids as an int64 array; refuses non-integers and ids outside [0, num_blocks),
+        but for ``SKIP_BLOCK`` where ``skip`` (a load) allows it."""
         arr = int_vector(block_ids, argument, "block ids")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.num_blocks):
-            bad = arr[(arr < 0) | (arr >= self.num_blocks)][0]
+        bad = (arr < 0) | (arr >= self.num_blocks)
+        if skip:
+            bad &= arr != SKIP_BLOCK
+        if arr.size and bad.any():
+            allowed = f"[0, {self.num_blocks})" + (f" or SKIP_BLOCK ({SKIP_BLOCK})" if skip else "")
             raise InvalidArgumentError(
-                argument, int(bad), f"block id out of range [0, {self.num_blocks})"
+                argument, int(arr[bad][0]), f"block id out of range: expected {allowed}"
             )
         return arr
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvflow.layout import SKIP_BLOCK
+
 __all__ = ["ChunkStatus", "RequestResult", "TransferResult"]
 
 
@@ -22,7 +24,8 @@ class ChunkStatus(enum.IntEnum):
 
 @dataclass(frozen=True, eq=False)
 class RequestResult:
-    """One request's outcome. ``block_ids`` are the blocks of its full chunks, in order."""
+    """One request's outcome. ``block_ids`` are the blocks of its full chunks, in order (a
+    load's ``SKIP_BLOCK`` places among them, which no ``*_block_ids`` property lists)."""
 
     block_ids: np.ndarray
     chunk_status: np.ndarray
@@ -32,7 +35,9 @@ class RequestResult:
     def blocks_with(self, *statuses: ChunkStatus) -> np.ndarray:
         """Block ids of the chunks whose status is one of ``statuses``."""
         mask = np.isin(self.chunk_status, [int(s) for s in statuses])
-        return self.block_ids.reshape(-1, self.chunk_blocks)[mask].reshape(-1)
+        blocks = self.block_ids.reshape(-1, self.chunk_blocks)[mask].reshape(-1)
+        written: np.ndarray = blocks[blocks != SKIP_BLOCK]  # nothing was written at a skip
+        return written
 
     @property
     def ok_block_ids(self) -> np.ndarray:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvflow.layout import KVLayout
+from kvflow.layout import SKIP_BLOCK, KVLayout
 
 __all__ = [
     "BatchAddresses",
@@ -67,8 +67,9 @@ def build_template(
     """Ranges of one layer signature for a batch of whole chunks.
 
     ``parts`` is ``((block_stride, block_bytes), ...)``; ``block_ids`` lists the device blocks of
-    the batch's chunks in order, ``chunk_blocks`` per chunk. Ranges contiguous on both sides
-    inside one chunk and one part are merged, then cut to at most ``max_bytes``.
+    the batch's chunks in order, ``chunk_blocks`` per chunk; a ``SKIP_BLOCK`` place gets no
+    range. Ranges contiguous on both sides inside one chunk and one part are merged, then cut to
+    at most ``max_bytes``.
     """
     n = block_ids.shape[0]
     n_chunks = n // chunk_blocks
@@ -92,6 +93,9 @@ def build_template(
         ).reshape(-1)
 
     local, pool, size, part, chunk = (order(a) for a in (local, pool, size, part, chunk))
+    written = order(np.broadcast_to(block_ids[None, :], (n_parts, n))) != SKIP_BLOCK
+    if not written.all():
+        local, pool, size, part, chunk = (a[written] for a in (local, pool, size, part, chunk))
     local, pool, size, part, chunk = _coalesce(local, pool, size, part, chunk)
     local, pool, size, part, chunk = _split(local, pool, size, part, chunk, max_bytes)
     return RangeTemplate(part=part, local_rel=local, pool_rel=pool, sizes=size, chunk=chunk)
@@ -191,6 +195,8 @@ def reference_layer_ranges(
         for part in parts:
             for j in range(chunk_blocks):
                 b = block_ids[c * chunk_blocks + j]
+                if b == SKIP_BLOCK:
+                    continue
                 local = part.base + b * part.block_stride
                 pool = obj + layer_off + part_off + j * part.block_bytes
                 prev = out[-1] if out else None

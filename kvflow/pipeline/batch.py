@@ -11,7 +11,7 @@ import numpy as np
 from kvflow._validate import repeated
 from kvflow.errors import InvalidArgumentError
 from kvflow.keys import ChunkHashes, KeySpace, chunk_hashes, token_array
-from kvflow.layout import KVLayout
+from kvflow.layout import SKIP_BLOCK, KVLayout
 from kvflow.results import RequestResult, TransferResult
 
 __all__ = ["BatchPlan", "check_distinct_blocks", "plan_batch"]
@@ -21,10 +21,11 @@ __all__ = ["BatchPlan", "check_distinct_blocks", "plan_batch"]
 class BatchPlan:
     """The full chunks of a batch of requests, in request order.
 
-    ``keys[c]`` is chunk c's store key and ``block_ids[c*C:(c+1)*C]`` its device blocks;
-    ``chunks_per_request[r]`` says how many chunks request r contributed. ``context``: the keys
-    of the chunks before the moved ones (``ChunkHashes.preceding``), request by request, for a
-    store that orders eviction by prefix (``SupportsPrefixContext``); never moved.
+    ``keys[c]`` is chunk c's store key and ``block_ids[c*C:(c+1)*C]`` its device blocks (a
+    load's ``SKIP_BLOCK`` places are not written); ``chunks_per_request[r]`` says how many
+    chunks request r contributed. ``context``: the keys of the chunks before the moved ones
+    (``ChunkHashes.preceding``), request by request, for a store that orders eviction by prefix
+    (``SupportsPrefixContext``); never moved.
     """
 
     keys: tuple[str, ...]
@@ -37,6 +38,10 @@ class BatchPlan:
     @property
     def num_chunks(self) -> int:
         return len(self.keys)
+
+    def moved_blocks(self, chunks: np.ndarray) -> int:
+        """How many device blocks the given chunk indices move (their places but SKIP_BLOCK)."""
+        return int(np.count_nonzero(self.chunk_block_ids(chunks) != SKIP_BLOCK))
 
     def chunk_block_ids(self, chunks: np.ndarray) -> np.ndarray:
         """Device blocks of the given chunk indices, concatenated in that order."""
@@ -72,9 +77,11 @@ def plan_batch(
     """Validate ``[(token_ids, block_ids), ...]`` and key their full chunks.
 
     Each request needs exactly ``ceil(len(token_ids) / block_size)`` block ids; a request named
-    by ``ChunkHashes`` needs ``chunk_blocks`` ids per chunk. The blocks a request moves (those of
-    its full chunks) must be distinct (``check_distinct_blocks``). Raises InvalidArgumentError
-    before anything is changed.
+    by ``ChunkHashes`` needs ``chunk_blocks`` ids per chunk. A load may name ``SKIP_BLOCK`` for
+    places whose KV the caller holds already (vLLM's own prefix cache ending inside a chunk):
+    nothing is written there, and a failed chunk reports only its other blocks. The blocks a
+    request moves (those of its full chunks) must be distinct (``check_distinct_blocks``).
+    Raises InvalidArgumentError before anything is changed.
     """
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
         raise InvalidArgumentError(
@@ -90,7 +97,7 @@ def plan_batch(
             raise InvalidArgumentError(
                 f"requests[{r}]", request, "expected a (token_ids, block_ids) pair"
             )
-        ids = layout.check_block_ids(request[1], argument=f"requests[{r}].block_ids")
+        ids = layout.check_block_ids(request[1], argument=f"requests[{r}].block_ids", skip=load)
         if isinstance(request[0], ChunkHashes):
             hashes, need = list(request[0].hashes), len(request[0]) * chunk_blocks
             what = f"{len(hashes)} chunks of {chunk_blocks} blocks need {need} blocks"
@@ -124,6 +131,7 @@ def check_distinct_blocks(blocks: Sequence[np.ndarray], *, load: bool) -> None:
     stands for hold no KV. InvalidArgumentError names ``requests[r].block_ids`` and the repeated
     ids.
     """
+    blocks = [b[b != SKIP_BLOCK] for b in blocks]  # a load's places it does not write
     if len(blocks) == 0:
         return
     every = np.concatenate(blocks)

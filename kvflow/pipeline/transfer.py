@@ -141,10 +141,10 @@ class BatchTransfer:
             stats = self._engine._stats
             stats.store_errors += 1
             ok_before = int((~self._failed).sum())
+            moved = self._plan.moved_blocks(self._active[~self._failed])
             self._failed[:] = True
             self._status[self._active] = ChunkStatus.FAILED
             stats.failed_chunks += ok_before
-            moved = ok_before * self._plan.chunk_blocks
             setattr(stats, self._blocks_stat, getattr(stats, self._blocks_stat) - moved)
 
     # -- the stages ---------------------------------------------------------------------------
@@ -236,7 +236,7 @@ class BatchTransfer:
         self._status[self._active] = np.where(self._failed, ChunkStatus.FAILED, ChunkStatus.OK)
         stats = self._engine._stats
         stats.failed_chunks += int(self._failed.sum())
-        moved = int((~self._failed).sum()) * self._plan.chunk_blocks
+        moved = self._plan.moved_blocks(self._active[~self._failed])
         setattr(stats, self._blocks_stat, getattr(stats, self._blocks_stat) + moved)
 
     async def _settle(self, layer: int, ranges: LayerRanges, future: asyncio.Future[Any]) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvflow import (
+    SKIP_BLOCK,
     ChunkHashes,
     ChunkStatus,
     InvalidArgumentError,
@@ -253,14 +254,44 @@ def test_plan_refuses_bad_token_ids_naming_the_request(
     assert info.value.argument == "requests[0].token_ids"
 
 
-@pytest.mark.parametrize("blocks", [[16], [-1], [0.0], [[0]]])
+@pytest.mark.parametrize("blocks", [[16], [-2], [0.0], [[0]]])
+@pytest.mark.parametrize("load", [True, False])
 def test_plan_refuses_bad_block_ids_naming_the_request(
-    layout: KVLayout, keyspace: KeySpace, blocks: object
+    layout: KVLayout, keyspace: KeySpace, blocks: object, load: bool
 ) -> None:
     with pytest.raises(InvalidArgumentError) as info:
-        _plan(layout, keyspace, [(_tokens(4), [0]), (_tokens(4), blocks)], load=True)
+        _plan(layout, keyspace, [(_tokens(4), [0]), (_tokens(4), blocks)], load=load)
 
     assert info.value.argument == "requests[1].block_ids"
+
+
+def test_only_a_load_may_skip_places(layout: KVLayout, keyspace: KeySpace) -> None:
+    tokens = _tokens(16)
+    with pytest.raises(InvalidArgumentError) as info:
+        _plan(layout, keyspace, [(tokens, [SKIP_BLOCK, 1, 2, 3])], load=False)
+    assert info.value.argument == "requests[0].block_ids"
+    assert info.value.value == SKIP_BLOCK
+
+    # skipped places repeat freely, in one request and across requests
+    plan = _plan(
+        layout,
+        keyspace,
+        [(tokens, [SKIP_BLOCK, SKIP_BLOCK, 2, 3]), (_tokens(8, 1), [SKIP_BLOCK, 5])],
+        load=True,
+    )
+    assert plan.block_ids.tolist() == [SKIP_BLOCK, SKIP_BLOCK, 2, 3, SKIP_BLOCK, 5]
+    assert plan.moved_blocks(np.arange(plan.num_chunks)) == 3
+    assert plan.moved_blocks(np.array([0])) == 0
+
+
+def test_a_results_block_ids_leave_out_skipped_places(layout: KVLayout, keyspace: KeySpace) -> None:
+    plan = _plan(layout, keyspace, [(_tokens(24), [SKIP_BLOCK, 1, 2, 3, 4, 5])], load=True)
+    result = plan.result(np.array([ChunkStatus.MISSING, ChunkStatus.OK, ChunkStatus.FAILED]))
+
+    only = result.requests[0]
+    assert only.failed_block_ids.tolist() == [1, 4, 5]
+    assert only.ok_block_ids.tolist() == [2, 3]
+    assert result.failed_block_ids.tolist() == [1, 4, 5]
 
 
 # -- results ----------------------------------------------------------------------------------

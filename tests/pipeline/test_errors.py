@@ -27,7 +27,7 @@ async def engine_and_store():
 BAD_REQUESTS = [
     ("requests[0].block_ids", (np.arange(64), np.arange(3))),  # 64 tokens need 4 blocks
     ("requests[0].block_ids", (np.arange(64), [0, 1, 2, 64])),  # out of range
-    ("requests[0].block_ids", (np.arange(64), [0, 1, 2, -1])),
+    ("requests[0].block_ids", (np.arange(64), [0, 1, 2, -2])),
     ("requests[0].block_ids", (np.arange(64), [0.0, 1.0, 2.0, 3.0])),
     ("requests[0].token_ids", (np.arange(64) - 1, np.arange(4))),  # negative token
     ("requests[0].token_ids", (np.ones(64) * 0.5, np.arange(4))),

@@ -156,3 +156,45 @@ def test_shared_prefix_is_stored_once(caches, layout, store_name):
         dispose(store)
 
     asyncio.run(main())
+
+
+def test_a_load_writes_nothing_into_skip_block_places(store_name):
+    """vLLM's own prefix cache may end inside a chunk: the connector then loads the chunk with
+    SKIP_BLOCK for the blocks vLLM holds. Those blocks keep their bytes, the others get the
+    chunk's, and neither the result nor the stats count a skipped place as moved."""
+    skip = kvflow.SKIP_BLOCK
+
+    async def main():
+        src_layout, src = build("blocks", 3, 2, 32, torch.float16, seed=7)
+        _, dst = build("blocks", 3, 2, 32, torch.float16, seed=8)
+        dst_layout = kvflow.KVLayout.from_tensors([tuple(v) for v in dst], block_size=4)
+        before = [[t.clone() for t in layer] for layer in dst]
+        store = make_store(store_name, "16MiB")
+        cfg = kvflow.EngineConfig(model=f"skip-{next(_RUNS)}", chunk_blocks=2)
+        tokens = np.arange(24)  # three chunks of two 4-token blocks
+        origin = np.array([3, 4, 5, 6, 7, 8])
+        targets = np.array([skip, 20, skip, skip, 24, 25])
+        async with (
+            kvflow.TransferEngine(src_layout, store, cfg) as saver,
+            kvflow.TransferEngine(dst_layout, store, cfg) as loader,
+        ):
+            assert (await saver.save(tokens, origin)).ok
+            with pytest.raises(kvflow.InvalidArgumentError) as info:
+                await saver.save(tokens, targets)  # a save has no place to skip
+            assert info.value.argument == "requests[0].block_ids"
+            result = await loader.load(tokens, targets)
+            assert result.ok, result
+            assert result.requests[0].ok_block_ids.tolist() == [20, 24, 25]
+            assert loader.stats().blocks_loaded == 3
+        for layer in range(3):
+            for s_part, d_part, old in zip(src[layer], dst[layer], before[layer], strict=True):
+                for origin_block, target in zip(origin, targets, strict=True):
+                    if target != skip:
+                        got, want = d_part[target], s_part[origin_block]
+                        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                untouched = [b for b in range(32) if b not in targets]
+                got, want = d_part[untouched], old[untouched]  # bytes: NaNs among them
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        dispose(store)
+
+    asyncio.run(main())

@@ -1,8 +1,9 @@
 """ChunkPlanner, the scheduler side of the vLLM connector, without vLLM.
 
-What is tested: ``matched_tokens`` makes one batched pool lookup of exactly the chunk hashes after
-``num_computed`` and returns a run of whole chunks that stops at the first miss and never covers
-the last prompt token; ``allocated`` turns a hit into the next step's load (or cancels it);
+What is tested: ``matched_tokens`` makes one batched pool lookup of exactly the chunk hashes from
+the one holding token ``num_computed`` and returns a run of whole chunks that stops at the first
+miss and never covers the last prompt token (where vLLM's hit ends inside a chunk, the load skips
+the blocks vLLM holds); ``allocated`` turns a hit into the next step's load (or cancels it);
 ``step`` loads into the right blocks and saves each prompt chunk exactly once, with its blocks,
 across chunked prefill, decode, and preemption; chunks vLLM's own prefix cache provides are not
 saved again when the planner saw them in the pool within ``RECENT_S`` (and are saved when it did
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from kvflow import SKIP_BLOCK
 from kvflow.integrations.vllm.planner import RECENT_S, ChunkPlanner, Transfer
 
 BS = 4  # tokens per vLLM block
@@ -261,8 +263,8 @@ def test_a_prompt_of_at_most_one_chunk_never_hits(prompt_tokens: int) -> None:
     assert all(call == [] for call in pool.calls)  # nothing to ask the pool about
 
 
-@pytest.mark.parametrize("num_computed", [BS, CT + BS, 1, CT - 1, 3 * CT + 3])
-def test_num_computed_not_chunk_aligned_hits_nothing(num_computed: int) -> None:
+@pytest.mark.parametrize("num_computed", [1, CT - 1, 3 * CT + 3])
+def test_num_computed_not_block_aligned_hits_nothing(num_computed: int) -> None:
     pool, req, p = stored("r", 5 * CT + 1, chunks=5)
 
     assert match(p, req, num_computed) == 0
@@ -270,6 +272,48 @@ def test_num_computed_not_chunk_aligned_hits_nothing(num_computed: int) -> None:
     p.allocated(req.req_id, 2 * CT)  # even if vLLM allocated for more: no hit, no load
     loads, _ = p.step([new(req, range(100, 111), num_computed, req.prompt_tokens - num_computed)])
     assert loads == []
+
+
+@pytest.mark.parametrize("first_chunk", [0, 1, 3])
+def test_a_prefix_cache_hit_ending_inside_a_chunk_loads_the_rest_of_it(first_chunk: int) -> None:
+    """vLLM's own hit counts blocks: it ends one block into chunk ``first_chunk``. The load
+    starts with that chunk, its first block SKIP_BLOCK (vLLM holds it, maybe shared)."""
+    pool, req, p = stored("r", 5 * CT + 1, chunks=5)
+    computed = first_chunk * CT + BS
+
+    assert match(p, req, computed) == 5 * CT - computed
+    assert pool.calls == [[req.chunk_hash(c) for c in range(first_chunk, 5)]]
+    assert pool.preceding == [[req.chunk_hash(c) for c in range(first_chunk)]]
+    p.allocated(req.req_id, 5 * CT - computed)
+    blocks = list(range(100, 111))
+    loads, saves = p.step([new(req, blocks, 5 * CT, 1)])  # vLLM's hit and the load computed
+
+    (load,) = loads
+    assert load.first_chunk == first_chunk
+    assert load.hashes == tuple(req.chunk_hash(c) for c in range(first_chunk, 5))
+    assert load.block_ids == (SKIP_BLOCK, *blocks[first_chunk * CB + 1 : 5 * CB])
+    assert saves == []  # the hit and the load cover every whole chunk
+
+
+def test_a_hit_inside_a_chunk_needs_that_chunk_in_the_pool() -> None:
+    pool = FakePool()
+    req = request("r", 5 * CT + 1)
+    pool.store(req, [0, 2, 3, 4])  # chunk 1 was evicted: vLLM's hit ends inside it
+    p = planner(pool)
+
+    assert match(p, req, CT + BS) == 0
+
+
+def test_vllm_allocating_less_of_a_hit_inside_a_chunk_shortens_the_load() -> None:
+    pool, req, p = stored("r", 5 * CT + 1, chunks=5)
+
+    assert match(p, req, CT + BS) == 4 * CT - BS
+    p.allocated(req.req_id, 2 * CT)  # the rest of chunk 1, chunk 2, half of chunk 3
+    loads, _ = p.step([new(req, range(100, 111), 3 * CT, req.prompt_tokens - 3 * CT)])
+
+    (load,) = loads
+    assert load.hashes == (req.chunk_hash(1), req.chunk_hash(2))
+    assert load.block_ids == (SKIP_BLOCK, 103, 104, 105)
 
 
 def test_num_computed_past_the_hit_range_hits_nothing() -> None:

@@ -221,6 +221,21 @@ def test_beside_vllms_own_prefix_cache(vllm: VllmRun, pool_dir: str) -> None:
     assert tokens(warm) == [tokens(run)[2]]
 
 
+def test_a_prefix_cache_hit_ending_inside_a_chunk_loads_the_rest(
+    vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
+) -> None:
+    """Chunks of two blocks (64 tokens). vLLM's own cache holds A's first three blocks (from P,
+    which shares A's first 100 tokens): its hit of A ends inside chunk 1. kvflow loads from
+    there, into chunk 1's second block and on, leaving the first (vLLM's, shared with P)
+    alone: A's first 256 tokens are cached (vLLM's 96, kvflow's 160)."""
+    extra = shared_extra(pool_dir, chunk_blocks=2)
+    assert cached(vllm([A], extra=extra)) == [0]
+    p = A[:100] + _tokens(20, 7)
+    run = vllm([p, A], extra=extra, llm={"enable_prefix_caching": True}, one_by_one=True)
+    assert cached(run) == [64, 256]  # P: A's chunk 0 from the pool
+    assert tokens(run)[1] == baseline["A"]
+
+
 def test_pool_killed_before_the_warm_run(
     vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
 ) -> None:

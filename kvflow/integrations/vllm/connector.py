@@ -51,6 +51,7 @@ from kvflow.integrations.vllm.metrics import KVFlowConnectorStats, KVFlowPromMet
 from kvflow.integrations.vllm.planner import ChunkPlanner, Transfer
 from kvflow.integrations.vllm.support import check_supported
 from kvflow.keys import ChunkHashes, KeySpace
+from kvflow.layout import SKIP_BLOCK
 from kvflow.pipeline.executor import call_pinned
 from kvflow.pipeline.sync import SyncLoadHandle, SyncSaveHandle, SyncTransferEngine
 from kvflow.pipeline.transfer import _STRAGGLER_GRACE
@@ -553,7 +554,7 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def _finish_load(self, step: _Step) -> None:
         result = self._result(step.load, "load") if step.load is not None else None
-        planned = [b for t in step.meta.loads for b in t.block_ids]
+        planned = [b for t in step.meta.loads for b in t.block_ids if b != SKIP_BLOCK]
         debug_fail = self.config.debug_fail_loads and self._debug_here
         if result is None or step.load_failed or debug_fail:
             failed = set(planned)

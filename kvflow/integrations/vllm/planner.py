@@ -5,6 +5,10 @@ A chunk is ``chunk_blocks`` vLLM blocks; its key is its last block's hash (vLLM'
 are prefix-chained, so that hash names the whole prefix). Only prompt chunks are stored. A hit
 never covers the whole prompt: the token that produces the first output is always computed.
 
+A load starts in the chunk where vLLM's own prefix-cache hit ends. That hit is counted in
+blocks, so it often ends inside a chunk: the chunk is loaded all the same, its blocks vLLM holds
+named ``SKIP_BLOCK`` (nothing is written into them; other requests may be reading them).
+
 Chunks vLLM's own prefix cache provides are saved unless the planner saw them in the pool (a
 lookup found them) or planned their save within ``RECENT_S``: vLLM's cache holds them because
 this instance computed or loaded them, so the pool normally has them and a save would move
@@ -28,6 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvflow.layout import SKIP_BLOCK
+
 __all__ = ["RECENT_S", "ChunkPlanner", "Transfer"]
 
 RECENT_S = 60.0  # how long a chunk seen in the pool (or planned for saving) counts as stored
@@ -45,6 +51,16 @@ class Transfer:
     block_ids: tuple[int, ...]
     first_chunk: int
     preceding: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Hit:
+    """Chunks ``[first, first + chunks)`` found in the pool; the first ``skip`` blocks of chunk
+    ``first`` are vLLM's own prefix-cache hit."""
+
+    first: int
+    chunks: int
+    skip: int
 
 
 @dataclass
@@ -112,8 +128,8 @@ class ChunkPlanner:
         self._lookup = lookup
         self._load, self._save = load, save
         self._tracked: dict[str, _Tracked] = {}
-        self._hits: dict[str, tuple[int, int]] = {}  # req_id -> (first chunk, chunks) found
-        self._loads: dict[str, tuple[int, int]] = {}  # allocated: load in the next step
+        self._hits: dict[str, _Hit] = {}  # found by the lookup
+        self._loads: dict[str, _Hit] = {}  # allocated: load in the next step
         self._seen = _Seen(seen_limit, clock)
 
     def chunk_hashes(
@@ -131,11 +147,12 @@ class ChunkPlanner:
         prompt_tokens: int,
         num_computed: int,
     ) -> int:
-        """Tokens beyond ``num_computed`` the pool can provide: a run of whole chunks that starts
-        at ``num_computed`` (which must be chunk-aligned) and ends before the last prompt token."""
+        """Tokens beyond ``num_computed`` the pool can provide: a run of whole chunks from the one
+        that holds token ``num_computed`` (which must start a block), ending before the last
+        prompt token."""
         self._tracked.setdefault(req_id, _Tracked(block_hashes, prompt_tokens))
         self._hits.pop(req_id, None)
-        if not self._load or num_computed % self.chunk_tokens:
+        if not self._load or num_computed % self.block_size:
             return 0
         hashes = block_hashes()
         first = num_computed // self.chunk_tokens
@@ -149,19 +166,21 @@ class ChunkPlanner:
         self._seen.discard(h for h, f in zip(asked, found, strict=True) if not f)
         misses = np.flatnonzero(~found)
         hits = int(misses[0]) if misses.size else int(found.size)
-        if hits:
-            self._hits[req_id] = (first, hits)
-        return hits * self.chunk_tokens
+        if not hits:
+            return 0
+        skip = num_computed // self.block_size - first * self.chunk_blocks
+        self._hits[req_id] = _Hit(first, hits, skip)
+        return (first + hits) * self.chunk_tokens - num_computed
 
     def allocated(self, req_id: str, num_external_tokens: int) -> None:
         """vLLM allocated blocks for ``num_external_tokens`` of the hit (0: it loads nothing)."""
         hit = self._hits.pop(req_id, None)
         if hit is None or num_external_tokens <= 0:
             return
-        first, chunks = hit
-        chunks = min(chunks, num_external_tokens // self.chunk_tokens)
+        held = hit.skip * self.block_size  # of the first chunk, in vLLM's own cache
+        chunks = min(hit.chunks, (held + num_external_tokens) // self.chunk_tokens)
         if chunks:
-            self._loads[req_id] = (first, chunks)
+            self._loads[req_id] = _Hit(hit.first, chunks, hit.skip)
 
     def step(
         self,
@@ -184,9 +203,9 @@ class ChunkPlanner:
                 t.stored_chunks = self._seen_end(hashes, t.stored_chunks, computed)
             load = self._loads.pop(req_id, None)
             if load is not None:
-                first, chunks = load
-                loads.append(self._transfer(req_id, t, hashes, first, first + chunks))
-                t.stored_chunks = max(t.stored_chunks, first + chunks)
+                end = load.first + load.chunks
+                loads.append(self._transfer(req_id, t, hashes, load.first, end, skip=load.skip))
+                t.stored_chunks = max(t.stored_chunks, end)
             if not self._save:
                 continue
             done = min(computed + scheduled_tokens, t.prompt_tokens) // self.chunk_tokens
@@ -222,13 +241,21 @@ class ChunkPlanner:
         return len(self._tracked)
 
     def _transfer(
-        self, req_id: str, t: _Tracked, hashes: Sequence[bytes], first: int, end: int
+        self,
+        req_id: str,
+        t: _Tracked,
+        hashes: Sequence[bytes],
+        first: int,
+        end: int,
+        *,
+        skip: int = 0,
     ) -> Transfer:
         cb = self.chunk_blocks
+        blocks = t.block_ids[first * cb : end * cb]
         return Transfer(
             req_id,
             self.chunk_hashes(hashes, first, end),
-            tuple(t.block_ids[first * cb : end * cb]),
+            (SKIP_BLOCK,) * skip + tuple(blocks[skip:]),
             first,
             self.chunk_hashes(hashes, 0, first),
         )
