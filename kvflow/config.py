@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import glob
 import math
 import os
@@ -20,8 +21,10 @@ __all__ = [
     "DEFAULT_PREFETCH_LAYERS",
     "DEFAULT_SAVE_BACKLOG",
     "EngineConfig",
+    "cpu_list",
     "from_dict",
     "parse_size",
+    "server_cpus",
     "spare_cpus",
 ]
 
@@ -209,6 +212,29 @@ def spare_cpus() -> tuple[int, ...]:
     return _spare(
         parent, threads, _cpu_list_file("/sys/devices/system/cpu/online"), _cgroup_cpus(), nodes
     )
+
+
+def server_cpus() -> tuple[int, ...]:
+    """CPUs for a process this one starts to serve others (an auto-started pool server): the
+    spare ones (``spare_cpus``) beside a model bound to some cores, else the parent process's
+    affinity. Without this it would inherit the starting thread's affinity: in vLLM's CPU
+    worker that is one compute core, where the pool's replies then wait behind the model's
+    threads. Empty off Linux (leave the affinity as inherited)."""
+    spare = spare_cpus()
+    if spare:
+        return spare
+    try:
+        return tuple(sorted(os.sched_getaffinity(os.getppid())))
+    except (AttributeError, OSError):
+        return ()
+
+
+def cpu_list(text: str) -> tuple[int, ...]:
+    """``"0,1"`` -> ``(0, 1)``: CPU numbers (an argparse ``type``)."""
+    values = [s.strip() for s in text.split(",") if s.strip()]
+    if not values or not all(v.isdigit() for v in values):
+        raise argparse.ArgumentTypeError(f"expected CPU numbers such as 0,1, got {text!r}")
+    return tuple(int(v) for v in values)
 
 
 def _spare(

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.config import EngineConfig, parse_size
+from kvflow.config import EngineConfig, cpu_list, parse_size
 from kvflow.errors import ConfigError, MissingDependencyError
 from kvflow.layout import KVLayout
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
@@ -123,14 +123,6 @@ def int_list(text: str) -> list[int]:
             f"expected comma-separated integers >= 1 such as 1,2,4, got {text!r}"
         )
     return [int(v) for v in values]
-
-
-def cpu_list(text: str) -> tuple[int, ...]:
-    """``"0,1"`` -> ``(0, 1)``: CPU numbers (argparse ``type``)."""
-    values = [s.strip() for s in text.split(",") if s.strip()]
-    if not values or not all(v.isdigit() for v in values):
-        raise argparse.ArgumentTypeError(f"expected CPU numbers such as 0,1, got {text!r}")
-    return tuple(int(v) for v in values)
 
 
 def check_output_path(path: str, option: str) -> None:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from kvflow import trace
-from kvflow.config import parse_size
+from kvflow.config import cpu_list, parse_size
 from kvflow.errors import KVFlowError, PoolRunningError, StoreError
 from kvflow.pool.client import query_stats
 from kvflow.pool.launch import (
@@ -160,6 +160,12 @@ def add_commands(commands: Any) -> None:
         help=f"the address --metrics-port binds (default {DEFAULT_METRICS_HOST})",
     )
     serve.add_argument(
+        "--cpus",
+        type=cpu_list,
+        metavar="LIST",
+        help="pin the server's threads to these CPUs, e.g. 2,3 (default: as started)",
+    )
+    serve.add_argument(
         "--detach",
         action="store_true",
         help="run in the background; if a pool already runs on the socket, succeed only if it "
@@ -192,24 +198,33 @@ def _serve(args: argparse.Namespace) -> int:
     if "allow_uids" in given:
         given["allow_uids"] = tuple(given["allow_uids"])
     config = PoolConfig(socket=args.socket, **given)
-    metrics_args: tuple[str, ...] = ()
+    passed: tuple[str, ...] = ()
     if args.metrics_port is not None:
         require_client()  # before anything starts
-        metrics_args = ("--metrics-port", str(args.metrics_port))
-        metrics_args += ("--metrics-host", args.metrics_host)
+        passed = ("--metrics-port", str(args.metrics_port))
+        passed += ("--metrics-host", args.metrics_host)
     if is_serving(config.socket):
         return _already_running(config, set(given), args.detach)
     hint = "use a smaller --capacity or free memory"
     check_capacity(config.size, args.capacity or DEFAULT_CAPACITY, hint=hint)
+    if args.cpus:
+        passed += ("--cpus", ",".join(map(str, args.cpus)))
     if args.detach:
         try:
-            pid = start_detached(config, args.start_timeout, *metrics_args)
+            pid = start_detached(config, args.start_timeout, *passed)
         except PoolRunningError:  # another server won the race to start
             return _already_running(config, set(given), args.detach)
         print(f"kvflow pool: serving on {config.socket} (pid {pid}); log {config.socket}.log")
         print(f"  clients: kvflow.SharedStore(socket={config.socket!r})")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.cpus:  # the threads started at import (a BLAS's) too; later ones inherit it
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                os.sched_setaffinity(int(tid), args.cpus)
+        except OSError as exc:
+            print(f"kvflow serve: --cpus {args.cpus}: {exc.strerror}", file=sys.stderr)
+            return 2
     trace.set_role("pool")
     server = PoolServer(config)
     metrics = None

@@ -18,6 +18,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from kvflow.config import server_cpus
 from kvflow.errors import PoolRunningError, StoreUnavailableError
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection
@@ -200,8 +201,10 @@ def differences(config: PoolConfig, running: RunningPool, asked: Collection[str]
 
 def start_in_background(config: PoolConfig, timeout_s: float) -> None:
     """From a client: run ``kvflow serve --detach`` and wait for it. The server is its child,
-    not ours, so this process holds no handle on it and it outlives us."""
-    cmd = serve_command(config, "--detach", "--start-timeout", repr(float(timeout_s)))
+    not ours, so this process holds no handle on it and it outlives us. It runs on
+    ``server_cpus()``, not on the calling thread's CPUs (a compute core, in vLLM's worker)."""
+    cpus = ("--cpus", ",".join(map(str, c))) if (c := server_cpus()) else ()
+    cmd = serve_command(config, "--detach", "--start-timeout", repr(float(timeout_s)), *cpus)
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout_s + 10, check=False)
     except subprocess.TimeoutExpired as exc:

@@ -212,3 +212,25 @@ def test_bad_option_values_name_the_option(
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert expected in err and "<lambda>" not in err, err
+
+
+def test_serve_pins_its_threads_to_the_cpus_given(sock_dir: str) -> None:
+    path = f"{sock_dir}/pool.sock"
+    cpu = max(os.sched_getaffinity(0))
+    try:
+        code, _, err = kvflow_cli(
+            "serve", "--detach", "--socket", path, "--capacity", "8MiB", "--cpus", str(cpu)
+        )
+        assert code == 0, err
+        pid = read_pid(path)
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 1  # the accept and lease threads too
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in threads} == {frozenset({cpu})}
+    finally:
+        for pid in live_server_pids(path):
+            os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not live_server_pids(path), 10, "the server to exit")
+
+    code, _, err = kvflow_cli("serve", "--socket", path, "--capacity", "8MiB", "--cpus", "99999")
+    assert code == 2
+    assert "--cpus (99999,)" in err and not os.path.exists(path)

@@ -311,3 +311,28 @@ def test_auto_start_in_process_leaves_no_resource_warning(sock_dir: str) -> None
         for pid in live_server_pids(path):
             os.kill(pid, signal.SIGTERM)
         wait_until(lambda: not live_server_pids(path), 10, "the auto-started server to exit")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_auto_start_from_a_thread_bound_to_a_compute_core_puts_the_server_elsewhere(
+    sock_dir: str,
+) -> None:
+    """vLLM's CPU worker binds its main thread to one compute core; a pool server it starts
+    must not inherit that core (its replies would wait behind the model's threads): it gets
+    the CPUs no thread of the starting process is bound to."""
+    path = f"{sock_dir}/pool.sock"
+    mine = os.sched_getaffinity(0)
+    compute = min(mine)
+    try:
+        os.sched_setaffinity(0, {compute})
+        store = kvflow.SharedStore(socket=path, auto_start=True, capacity="8MiB")
+        store.close()
+        os.sched_setaffinity(0, mine)
+        (pid,) = live_server_pids(path)
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            assert compute not in os.sched_getaffinity(int(tid))
+    finally:
+        os.sched_setaffinity(0, mine)
+        for pid in live_server_pids(path):
+            os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not live_server_pids(path), 10, "the auto-started server to exit")
