@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from kvflow import SKIP_BLOCK
-from kvflow.integrations.vllm.planner import RECENT_S, ChunkPlanner, Transfer
+from kvflow.integrations.vllm.planner import RECENT_S, REUSE_S, ChunkPlanner, Transfer
 
 BS = 4  # tokens per vLLM block
 CB = 2  # vLLM blocks per chunk
@@ -213,13 +213,25 @@ def test_partial_hit_stops_at_the_first_miss(stored: set[int], hit_chunks: int) 
     assert len(pool.calls) == 1  # the whole run in one call, even past the first miss
 
 
-def test_each_call_makes_its_own_single_lookup() -> None:
-    pool, req, p = stored("r", 3 * CT + 1, chunks=3)
+def test_a_waiting_request_reuses_its_answer_for_reuse_s() -> None:
+    """vLLM asks again about a request it could not schedule, at every step: the pool is asked
+    once per REUSE_S, and again at once when vLLM's own hit changed."""
+    pool = FakePool()
+    req = request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    clock = Clock()
+    p = planner(pool, clock=clock)
 
     assert match(p, req) == 3 * CT
     pool.stored.clear()
-    assert match(p, req) == 0  # asked again (vLLM retries unscheduled requests): fresh answer
+    clock.now += REUSE_S / 2
+    assert match(p, req) == 3 * CT  # the answer of REUSE_S / 2 ago
+    assert len(pool.calls) == 1
+    assert match(p, req, CT) == 0  # vLLM's own hit grew: asked afresh
     assert len(pool.calls) == 2
+    clock.now += REUSE_S
+    assert match(p, req) == 0  # REUSE_S later: asked afresh
+    assert len(pool.calls) == 3
 
 
 @pytest.mark.parametrize(
@@ -470,11 +482,16 @@ def test_allocated_without_a_hit_loads_nothing() -> None:
 
 
 def test_a_later_match_replaces_an_unallocated_hit() -> None:
-    pool, req, p = stored("r", 4 * CT + 1, chunks=4)
+    pool = FakePool()
+    req = request("r", 4 * CT + 1)
+    pool.store(req, range(4))
+    clock = Clock()
+    p = planner(pool, clock=clock)
 
     assert match(p, req) == 4 * CT  # not scheduled this step: no allocation
     pool.stored.discard(req.chunk_hash(1))
-    assert match(p, req) == CT  # the next step asks again
+    clock.now += REUSE_S
+    assert match(p, req) == CT  # a later step asks again
     p.allocated(req.req_id, CT)
     blocks = list(range(9))
     loads, _ = p.step([new(req, blocks, CT, req.prompt_tokens - CT)])

@@ -17,10 +17,16 @@ answer, which vLLM cached and no prompt saved) are saved, up to where the reques
 starts. A chunk the pool dropped since, or whose planned save failed, is saved again at the
 first such hit after ``RECENT_S``, or sooner if a lookup finds it missing.
 
+A request waiting for device blocks is asked about again at every scheduler step: its lookup's
+answer is reused for ``REUSE_S`` (the pool is asked again after that, or once vLLM's own hit
+changed, or it was scheduled since), so that a queue of waiting requests costs the scheduler no
+pool round trips per step.
+A chunk evicted meanwhile fails its load, and vLLM recomputes it, as after any lookup.
+
 Lookups, loads and saves that start after a prompt's first chunk (after what vLLM's cache holds,
 or at the new chunks) name the chunks before them too (``preceding``): the pool touches those
 after the moved ones, so that it evicts a prompt's tail before its head
-(``kvflow.SupportsPrefixContext``).
+(``kvflow.abc.SupportsPrefixContext``).
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ import numpy as np
 
 from kvflow.layout import SKIP_BLOCK
 
-__all__ = ["RECENT_S", "ChunkPlanner", "Transfer"]
+__all__ = ["RECENT_S", "REUSE_S", "ChunkPlanner", "Transfer"]
 
 RECENT_S = 60.0  # how long a chunk seen in the pool (or planned for saving) counts as stored
+REUSE_S = 1.0  # how long a waiting request's lookup answers its next ones
 SEEN_LIMIT = 1 << 16  # chunk hashes remembered, by default
 
 
@@ -69,6 +76,7 @@ class _Tracked:
     prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     stored_chunks: int = 0  # chunks [0, stored_chunks) need no save
+    answer: tuple[int, float, _Hit | None] | None = None  # last lookup: num_computed, when, hit
 
 
 class _Seen:
@@ -131,6 +139,7 @@ class ChunkPlanner:
         self._hits: dict[str, _Hit] = {}  # found by the lookup
         self._loads: dict[str, _Hit] = {}  # allocated: load in the next step
         self._seen = _Seen(seen_limit, clock)
+        self._clock = clock
 
     def chunk_hashes(
         self, block_hashes: Sequence[bytes], first: int, end: int
@@ -150,10 +159,18 @@ class ChunkPlanner:
         """Tokens beyond ``num_computed`` the pool can provide: a run of whole chunks from the one
         that holds token ``num_computed`` (which must start a block), ending before the last
         prompt token."""
-        self._tracked.setdefault(req_id, _Tracked(block_hashes, prompt_tokens))
+        t = self._tracked.setdefault(req_id, _Tracked(block_hashes, prompt_tokens))
         self._hits.pop(req_id, None)
         if not self._load or num_computed % self.block_size:
             return 0
+        now = self._clock()
+        if t.answer is not None and t.answer[0] == num_computed and now - t.answer[1] < REUSE_S:
+            hit = t.answer[2]
+            if hit is None:
+                return 0
+            self._hits[req_id] = hit
+            return (hit.first + hit.chunks) * self.chunk_tokens - num_computed
+        t.answer = (num_computed, now, None)
         hashes = block_hashes()
         first = num_computed // self.chunk_tokens
         end = min((prompt_tokens - 1) // self.chunk_tokens, len(hashes) // self.chunk_blocks)
@@ -170,6 +187,7 @@ class ChunkPlanner:
             return 0
         skip = num_computed // self.block_size - first * self.chunk_blocks
         self._hits[req_id] = _Hit(first, hits, skip)
+        t.answer = (num_computed, now, self._hits[req_id])
         return (first + hits) * self.chunk_tokens - num_computed
 
     def allocated(self, req_id: str, num_external_tokens: int) -> None:
@@ -194,6 +212,7 @@ class ChunkPlanner:
             t = self._tracked.get(req_id)
             if t is None:
                 continue
+            t.answer = None  # scheduled: a later lookup (after a preemption) asks afresh
             if replace:
                 t.block_ids = list(block_ids or ())
             elif block_ids:
