@@ -7,11 +7,11 @@ import importlib
 import logging
 import os
 import sys
-import threading
 from typing import Any
 
 import numpy as np
 
+from kvflow.bounded import BoundedCaller
 from kvflow.errors import ConfigError, MissingDependencyError, StoreError, StoreUnavailableError
 from kvflow.stores.memcache_config import LOCAL_CONFIG_ENV, MemcacheConfig
 
@@ -103,27 +103,24 @@ def start_client(config: MemcacheConfig) -> Any:
         if rc != 0:
             raise StoreUnavailableError(f"memcache setup for {where} failed", native_code(rc))
     device = config.device_id
-    done = threading.Event()
-    box: list[Any] = []
-
-    def init() -> None:  # a daemon thread: init retries forever while the meta service is away
-        try:
-            box.append(client.init(device, True))
-        except BaseException as exc:  # handed to the caller below
-            box.append(exc)
-        done.set()
-
-    threading.Thread(target=init, name="kvflow-memcache-init", daemon=True).start()
-    what = f"memcache init on device {device}"
-    if not done.wait(config.init_timeout_s):
-        wait = f"{config.init_timeout_s:g} s"
-        raise StoreUnavailableError(f"{what} did not return within {wait} (is {where} reachable?)")
-    if isinstance(box[0], BaseException):
-        raise StoreUnavailableError(f"{what} raised: {box[0]}") from box[0]
-    if box[0] != 0:
+    what = f"init on device {device}"
+    # init retries forever while the meta service is away: bounded, on a daemon thread
+    init = BoundedCaller(
+        "memcache",
+        config.init_timeout_s,
+        timeout_error=lambda what, wait: StoreUnavailableError(
+            f"{what} did not return within {wait:g} s (is {where} reachable?)"
+        ),
+        errors=lambda what, exc: StoreUnavailableError(f"{what} raised: {exc}"),
+    )
+    try:
+        rc = init.call(what, client.init, device, True)
+    finally:
+        init.shutdown()
+    if rc != 0:
         close_quietly(client)
         need = "memcache needs an Ascend NPU and its driver"
-        raise StoreUnavailableError(f"{what} failed ({where}; {need})", native_code(box[0]))
+        raise StoreUnavailableError(f"memcache {what} failed ({where}; {need})", native_code(rc))
     return client
 
 
