@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvflow
+from kvflow.abc import Store
 from tests.pools import STORE_NAMES, dispose, make_store, stop_master, stop_servers
 
 
@@ -49,7 +50,7 @@ def store_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def pool(store_name: str) -> Iterator[kvflow.Store]:
+def pool(store_name: str) -> Iterator[Store]:
     """A 64 MiB store of each engine in turn, disposed of after the test."""
     store = make_store(store_name, "64MiB")
     yield store

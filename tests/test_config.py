@@ -9,8 +9,8 @@ import pathlib
 
 import pytest
 
-from kvflow import ConfigError, EngineConfig, InvalidArgumentError, parse_size
-from kvflow.config import DEFAULT_MAX_TRANSFER_BYTES, _cpu_list_file, _spare, spare_cpus
+from kvflow import ConfigError, EngineConfig, InvalidArgumentError
+from kvflow.config import DEFAULT_MAX_TRANSFER_BYTES, _cpu_list_file, _spare, parse_size, spare_cpus
 
 # -- parse_size -------------------------------------------------------------------------------
 

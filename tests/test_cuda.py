@@ -23,9 +23,9 @@ import torch
 
 import kvflow
 import kvflow.cuda
+from kvflow.abc import Direction, Store
 from kvflow.devices import CudaDevice, device_ops
 from kvflow.results import ChunkStatus
-from kvflow.stores.base import Direction
 from kvflow.stores.copyloop import HOST_MEMCPY_ASYNC, NATIVE, MemcpyAsyncFn, issue_ranges
 from tests.conftest import make_caches
 from tests.pools import ServedSharedStore
@@ -129,7 +129,7 @@ def test_device_ops_gives_cuda_its_own_device() -> None:
     assert "cuda" not in kvflow.MooncakeStore.device_memory  # its transfer engine copies
 
 
-def _roundtrip(store: kvflow.Store, device: CudaDevice) -> list[torch.Tensor]:
+def _roundtrip(store: Store, device: CudaDevice) -> list[torch.Tensor]:
     caches = make_caches(3, num_blocks=16)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
     cfg = kvflow.EngineConfig(chunk_blocks=2, copy_threads=1)
@@ -148,7 +148,7 @@ def _roundtrip(store: kvflow.Store, device: CudaDevice) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["local", "shared"])
 def test_both_host_pools_copy_through_the_device_streams(kind: str) -> None:
-    store: kvflow.Store = (
+    store: Store = (
         kvflow.LocalStore("8MiB") if kind == "local" else ServedSharedStore(8 << 20, pin=False)
     )
     device = CudaDevice("cpu", runtime=HostRuntime())

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow import InvalidArgumentError, KeySpace, chunk_hashes
-from kvflow.keys import token_array
+from kvflow import InvalidArgumentError
+from kvflow.keys import KeySpace, chunk_hashes, token_array
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def test_chunk_hashes_refuses_a_chunk_size_below_one(chunk_tokens: int) -> None:
 _CHILD = """
 import json, sys
 import numpy as np
-from kvflow import KeySpace, chunk_hashes
+from kvflow.keys import KeySpace, chunk_hashes
 tokens = np.arange(1000, 1100, dtype=np.int64) * 7
 hashes = [h.hex() for h in chunk_hashes(tokens, 16)]
 space = KeySpace.for_layout(

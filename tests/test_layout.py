@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow import InvalidArgumentError, KVLayout, KVPart, LayoutError
+from kvflow import InvalidArgumentError, KVLayout, LayoutError
+from kvflow.layout import KVPart
 
 # -- construction: contiguous tensors ---------------------------------------------------------
 

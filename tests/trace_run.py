@@ -11,6 +11,7 @@ import numpy as np
 
 import kvflow
 from kvflow import trace
+from kvflow.abc import Store
 from tests.conftest import make_caches
 from tests.pools import ServedSharedStore, dispose
 
@@ -20,7 +21,7 @@ LAYERS = 4
 def main(store_name: str) -> None:
     trace.set_role("engine")
     layout = kvflow.KVLayout.from_tensors(make_caches(num_layers=LAYERS), block_size=16)
-    store: kvflow.Store
+    store: Store
     store = ServedSharedStore(16 << 20) if store_name == "shared" else kvflow.LocalStore("16MiB")
     tokens, blocks = list(range(64)), np.arange(4)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -14,7 +14,20 @@ from kvflow.keys import ChunkHashes, KeySpace, chunk_hashes, token_array
 from kvflow.layout import SKIP_BLOCK, KVLayout
 from kvflow.results import RequestResult, TransferResult
 
-__all__ = ["BatchPlan", "check_distinct_blocks", "plan_batch"]
+__all__ = ["BatchPlan", "BlockRequest", "check_distinct_blocks", "plan_batch"]
+
+
+class BlockRequest(NamedTuple):
+    """One request of a batch: its tokens and the device blocks that hold (or will hold) them.
+
+    ``token_ids``: the prompt's token ids (a sequence or 1-d array of ints), or ``ChunkHashes``.
+    ``block_ids``: one device block id per ``block_size`` tokens (per chunk of ``ChunkHashes``,
+    ``chunk_blocks`` ids); a load may name ``SKIP_BLOCK``. A plain ``(token_ids, block_ids)``
+    tuple is accepted wherever a BlockRequest is.
+    """
+
+    token_ids: Any
+    block_ids: Any
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +87,8 @@ def plan_batch(
     *,
     load: bool,
 ) -> BatchPlan:
-    """Validate ``[(token_ids, block_ids), ...]`` and key their full chunks.
+    """Validate ``[BlockRequest(token_ids, block_ids), ...]`` (or plain pairs) and key their
+    full chunks.
 
     Each request needs exactly ``ceil(len(token_ids) / block_size)`` block ids; a request named
     by ``ChunkHashes`` needs ``chunk_blocks`` ids per chunk. A load may name ``SKIP_BLOCK`` for

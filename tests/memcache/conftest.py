@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvflow
+from kvflow.keys import chunk_hashes
 from tests.conftest import make_caches
 from tests.memcache.standin import MemcacheStandIn
 from tests.pools import memcache_standin_store
@@ -42,7 +43,7 @@ def tokens(chunks: int, seed: int = 0) -> np.ndarray:
 
 def chunk_keys(engine: kvflow.SyncTransferEngine, token_ids: np.ndarray) -> list[str]:
     """The store keys of a request's chunks, as the engine names them."""
-    hashes = kvflow.chunk_hashes(token_ids, CHUNK * BS)
+    hashes = chunk_hashes(token_ids, CHUNK * BS)
     return engine.engine.keyspace.keys(hashes)
 
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow import ChunkStatus, Direction, WriteStatus
+from kvflow import ChunkStatus
+from kvflow.abc import Direction, Store, WriteStatus
 from tests.memcache.conftest import CHUNK, chunk_keys, layout_of, same_blocks, tokens
 from tests.memcache.standin import NOT_FOUND, KeyInfoStandIn, MemcacheStandIn
 from tests.pools import memcache_standin_store
@@ -27,9 +28,7 @@ GRANTED, EXISTS, NO_SPACE, FAILED = (
 )
 
 
-def engine_over(
-    store: kvflow.Store, layers: int = 3
-) -> tuple[list[Any], kvflow.SyncTransferEngine]:
+def engine_over(store: Store, layers: int = 3) -> tuple[list[Any], kvflow.SyncTransferEngine]:
     caches, layout = layout_of(layers)
     config = kvflow.EngineConfig(chunk_blocks=CHUNK, op_timeout_s=10, copy_timeout_s=5)
     return caches, kvflow.SyncTransferEngine(layout, store, config)
@@ -39,7 +38,7 @@ def i64(*values: int) -> np.ndarray:
     return np.array(values, dtype=np.int64)
 
 
-def registered(store: kvflow.Store, nbytes: int) -> np.ndarray:
+def registered(store: Store, nbytes: int) -> np.ndarray:
     buf = np.zeros(nbytes, dtype=np.uint8)
     store.register([(int(buf.ctypes.data), nbytes)])
     return buf

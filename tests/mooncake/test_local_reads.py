@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow import Direction
+from kvflow.abc import Direction
 from tests.pools import mooncake_store
 
 N = 4  # objects

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvflow import SKIP_BLOCK, KVLayout, KVPart
+from kvflow import SKIP_BLOCK, KVLayout
+from kvflow.layout import KVPart
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges, reference_layer_ranges
 
 PROPERTY = settings(max_examples=150, deadline=None)

@@ -11,12 +11,11 @@ from kvflow import (
     ChunkHashes,
     ChunkStatus,
     InvalidArgumentError,
-    KeySpace,
     KVLayout,
     RequestResult,
     TransferResult,
-    chunk_hashes,
 )
+from kvflow.keys import KeySpace, chunk_hashes
 from kvflow.pipeline.batch import BatchPlan, plan_batch
 
 BLOCK_SIZE = 4

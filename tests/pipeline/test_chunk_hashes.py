@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import kvflow
-from kvflow.keys import chunk_hashes
+from kvflow.abc import SupportsPrefixContext
+from kvflow.keys import KeySpace, chunk_hashes
 from kvflow.stores.arena import slot_bytes
+from kvflow.testing import InstrumentedStore
 from tests.conftest import make_caches
 from tests.pools import dispose, make_store
 
@@ -20,7 +22,7 @@ async def test_hashed_requests_reach_the_same_objects_as_token_requests() -> Non
     caches = make_caches(num_layers=3, num_blocks=32, seed=4)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
     store = kvflow.LocalStore("16MiB")
-    space = kvflow.KeySpace.for_layout(
+    space = KeySpace.for_layout(
         model="m", layout_fingerprint="spec-1", chunk_blocks=CHUNK, num_layers=3, rank=0
     )
     config = kvflow.EngineConfig(chunk_blocks=CHUNK)
@@ -94,8 +96,8 @@ async def test_a_store_without_context_gets_the_moved_chunks_only() -> None:
     LocalStore) is called as before: the preceding chunks are neither sent nor moved."""
     caches = make_caches(num_layers=2, num_blocks=16, seed=6)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = kvflow.InstrumentedStore(kvflow.LocalStore("4MiB"))
-    assert not isinstance(store, kvflow.SupportsPrefixContext)
+    store = InstrumentedStore(kvflow.LocalStore("4MiB"))
+    assert not isinstance(store, SupportsPrefixContext)
     tokens = np.random.default_rng(2).integers(0, 1000, 3 * CHUNK * BS)
     h = chunk_hashes(tokens, CHUNK * BS)
     try:

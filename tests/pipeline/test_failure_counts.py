@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kvflow
+from kvflow.abc import Store
 from tests.conftest import make_caches
 from tests.pools import ServedSharedStore, dispose
 
@@ -26,12 +27,12 @@ def tokens_for(chunks: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, chunks * CHUNK * BS)
 
 
-def closed_local() -> tuple[kvflow.Store, Callable[[], None]]:
+def closed_local() -> tuple[Store, Callable[[], None]]:
     store = kvflow.LocalStore("16MiB")
     return store, store.close
 
 
-def stopped_server() -> tuple[kvflow.Store, Callable[[], None]]:
+def stopped_server() -> tuple[Store, Callable[[], None]]:
     store = ServedSharedStore(16 << 20, timeout_s=1.0)
     return store, store.stop_server
 
@@ -42,14 +43,14 @@ DOWN = [pytest.param(closed_local, id="closed-local"), pytest.param(stopped_serv
 @pytest.fixture(params=DOWN)
 def down_store(
     request: pytest.FixtureRequest,
-) -> Iterator[tuple[kvflow.Store, Callable[[], None]]]:
+) -> Iterator[tuple[Store, Callable[[], None]]]:
     store, take_down = request.param()
     yield store, take_down
     dispose(store)
 
 
 async def test_chunks_failed_by_a_store_that_is_down_are_counted(
-    down_store: tuple[kvflow.Store, Callable[[], None]],
+    down_store: tuple[Store, Callable[[], None]],
 ) -> None:
     store, take_down = down_store
     layout = kvflow.KVLayout.from_tensors(make_caches(LAYERS), block_size=BS)
@@ -70,7 +71,7 @@ async def test_chunks_failed_by_a_store_that_is_down_are_counted(
 
 
 def test_sync_engine_counts_chunks_failed_by_a_store_that_is_down(
-    down_store: tuple[kvflow.Store, Callable[[], None]],
+    down_store: tuple[Store, Callable[[], None]],
 ) -> None:
     store, take_down = down_store
     layout = kvflow.KVLayout.from_tensors(make_caches(LAYERS), block_size=BS)

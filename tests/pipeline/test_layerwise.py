@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvflow
-from kvflow.stores.base import Direction
+from kvflow.abc import Direction
 from tests.conftest import make_caches
 from tests.pipeline.wrappers import WrappedStore
 from tests.pools import dispose, make_store

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvflow
+from kvflow.abc import Store
 from tests.conftest import make_caches
 from tests.pipeline.wrappers import WrappedStore
 from tests.pools import dispose, make_store
@@ -139,7 +140,7 @@ class SlowOpen(WrappedStore):
             self.write_opened.set()
 
 
-def saved_engine(store: kvflow.Store, caches: list[torch.Tensor]) -> kvflow.SyncTransferEngine:
+def saved_engine(store: Store, caches: list[torch.Tensor]) -> kvflow.SyncTransferEngine:
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
     engine = kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=1))
     assert engine.save(np.arange(32), [0, 1]).ok

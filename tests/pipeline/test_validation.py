@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import kvflow
+from kvflow.abc import StoreUsage
 from tests.conftest import make_caches
 
 BS = 16
@@ -48,7 +49,7 @@ def sync_engine(
         yield e
 
 
-def assert_untouched(store: kvflow.LocalStore, before: kvflow.StoreUsage) -> None:
+def assert_untouched(store: kvflow.LocalStore, before: StoreUsage) -> None:
     after = store.usage()
     assert (after.objects, after.used) == (before.objects, before.used)
     assert (after.pending_writes, after.leases, after.open_sessions) == (0, 0, 0)

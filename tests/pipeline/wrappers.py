@@ -10,15 +10,15 @@ from typing import Any
 
 import numpy as np
 
-import kvflow
-from kvflow.stores.base import Direction
+from kvflow.abc import Direction, Store
+from kvflow.testing import InstrumentedStore
 
 
-class WrappedStore(kvflow.InstrumentedStore):
+class WrappedStore(InstrumentedStore):
     """``before_copy(direction, pool, local, sizes)`` runs on the copy thread before each copy;
     returning an array of range indices reports those ranges failed instead of copying."""
 
-    def __init__(self, inner: kvflow.Store) -> None:
+    def __init__(self, inner: Store) -> None:
         super().__init__(inner, record_copies=True)
         self.before_copy: Callable[[Direction, np.ndarray, np.ndarray, np.ndarray], Any] = (
             lambda *a: None

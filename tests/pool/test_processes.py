@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow import ChunkStatus, WriteStatus
+from kvflow import ChunkStatus
+from kvflow.abc import WriteStatus
 from tests.conftest import make_caches
 from tests.pool.conftest import (
     REPO,

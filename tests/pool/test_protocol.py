@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvflow
+from kvflow.errors import ProtocolError
 from kvflow.pool import protocol as p
 from kvflow.pool.protocol import MAX_BODY, MAX_KEY_BYTES, MAX_KEYS, Op
 from tests.pool.conftest import greet, read_to_eof, wait_until
@@ -188,7 +189,7 @@ VALID = {
 
 
 def refused(op: int, body: bytes) -> str:
-    with pytest.raises(kvflow.ProtocolError) as info:
+    with pytest.raises(ProtocolError) as info:
         p.decode_request(op, body)
     return str(info.value)
 
@@ -281,24 +282,24 @@ def test_encoders_refuse_what_the_decoder_would() -> None:
 
 def test_reply_parsers_refuse_malformed_replies() -> None:
     flags = p.flags_reply(np.ones(3, dtype=np.uint8))
-    with pytest.raises(kvflow.ProtocolError):
+    with pytest.raises(ProtocolError):
         p.parse_flags(flags, 4)
     for bad in (flags[:-1], flags + b"\x00"):
-        with pytest.raises(kvflow.ProtocolError):
+        with pytest.raises(ProtocolError):
             p.parse_flags(bad, 3)
     session = p.session_reply(1, np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2))
-    with pytest.raises(kvflow.ProtocolError):
+    with pytest.raises(ProtocolError):
         p.parse_session(session, 3)
     for bad in (session[:-1], session + b"\x00"):
-        with pytest.raises(kvflow.ProtocolError):
+        with pytest.raises(ProtocolError):
             p.parse_session(bad, 2)
     hello = p.hello_reply(p.Hello(1, 2, 3))
     for bad in (hello[:-1], hello + b"\x00"):
-        with pytest.raises(kvflow.ProtocolError):
+        with pytest.raises(ProtocolError):
             p.parse_hello(bad)
     stats = p.stats_reply(dict.fromkeys(p.STATS_FIELDS, 1))
     for bad in (stats[:-1], stats + b"\x00", U32.pack(5000) + bytes(8 * 5000)):
-        with pytest.raises(kvflow.ProtocolError):
+        with pytest.raises(ProtocolError):
             p.parse_stats(bad)
 
 
@@ -310,7 +311,7 @@ def decode_or_refuse(op: int, body: bytes) -> p.Request | None:
     or ProtocolError. Any other exception fails the test."""
     try:
         req = p.decode_request(op, body)
-    except kvflow.ProtocolError:
+    except ProtocolError:
         return None
     assert isinstance(req, p.Request)
     assert req.op == op

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow import Direction, WriteStatus
+from kvflow.abc import Direction, WriteStatus
+from kvflow.errors import PoolRunningError
 from kvflow.pool import PoolConfig, PoolServer
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection
@@ -153,11 +154,11 @@ def test_a_capacity_beyond_the_machine_creates_nothing(sock_dir: str) -> None:
 
 def test_a_second_server_on_the_same_path_is_refused(server: PoolServer) -> None:
     second = PoolServer(PoolConfig(socket=server.socket_path, capacity="1MiB"))
-    with pytest.raises(kvflow.PoolRunningError):
+    with pytest.raises(PoolRunningError):
         second.start()
     second.stop()  # must not touch the first server's files
     with (
-        pytest.raises(kvflow.PoolRunningError),
+        pytest.raises(PoolRunningError),
         PoolServer(PoolConfig(socket=server.socket_path, capacity="1MiB")),
     ):
         pass

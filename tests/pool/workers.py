@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import kvflow
-from kvflow import Direction, WriteStatus
+from kvflow.abc import Direction, WriteStatus
 
 # -- shared by the tests and the workers ------------------------------------------------------
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from kvflow import Direction, Store, StoreUsage, SupportsUsage, WriteStatus
+from kvflow.abc import Direction, Store, StoreUsage, SupportsUsage, WriteStatus
 from tests.pools import ARENA_STORE_NAMES, STORE_FACTORIES, dispose, make_store, reported_usage
 
 __all__ = [

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvflow import Direction, Store, WriteStatus
+from kvflow.abc import Direction, Store, WriteStatus
 from tests.stores.conftest import (
     OBJ_BYTES,
     addr,

@@ -14,15 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvflow import (
-    ClosedError,
-    Direction,
-    InvalidArgumentError,
-    ReadSession,
-    Store,
-    WriteSession,
-    WriteStatus,
-)
+from kvflow import ClosedError, InvalidArgumentError
+from kvflow.abc import Direction, ReadSession, Store, WriteSession, WriteStatus
 from tests.pools import unavailable
 from tests.stores.conftest import (
     OBJ_BYTES,
@@ -396,7 +389,8 @@ _OVERFLOW_SCRIPT = textwrap.dedent(
     import sys
     import numpy as np
     import pytest
-    from kvflow import Direction, InvalidArgumentError
+    from kvflow import InvalidArgumentError
+    from kvflow.abc import Direction
     from tests.pools import stop_master
     from tests.stores.conftest import OBJ_BYTES, addr, alloc_registered, make_store
 

@@ -1,0 +1,43 @@
+"""The interfaces kvflow is extended through: a pool engine (``Store``), a device (``DeviceOps``).
+
+Users of the engine need none of this (``import kvflow`` has what they need); it is for those who
+write a store or order transfers on a device kvflow does not know.
+
+A store subclasses ``Store``; its contract (two metadata calls per request batch, address-only
+copies per layer, what is visible when, thread safety) is in ``kvflow.stores.base``'s docstring
+and each method's. ``open_write`` hands out a ``WriteSession`` (per-key ``WriteStatus`` and base
+addresses), ``open_read`` a ``ReadSession``; ``batch_copy`` moves bytes in a ``Direction``.
+Optional abilities are protocols the engine checks with ``isinstance``: ``SupportsUsage``
+(``usage() -> StoreUsage``) and ``SupportsPrefixContext`` (eviction ordered by prefix).
+
+A device subclasses ``DeviceOps`` (readiness tokens: when a layer's bytes may move, and how the
+caller's compute is ordered after a load), or ``StreamDevice`` for an accelerator that torch's
+device-generic stream and event API serves; pass it as ``TransferEngine(..., device=...)``.
+"""
+
+from __future__ import annotations
+
+from kvflow.devices import DeviceOps, StreamDevice
+from kvflow.stores.base import (
+    Direction,
+    ReadSession,
+    Store,
+    StoreUsage,
+    SupportsPrefixContext,
+    SupportsUsage,
+    WriteSession,
+    WriteStatus,
+)
+
+__all__ = [
+    "DeviceOps",
+    "Direction",
+    "ReadSession",
+    "Store",
+    "StoreUsage",
+    "StreamDevice",
+    "SupportsPrefixContext",
+    "SupportsUsage",
+    "WriteSession",
+    "WriteStatus",
+]
