@@ -41,7 +41,7 @@ from kvflow.layout import KVLayout
 from kvflow.pipeline.engine import TransferEngine
 from kvflow.results import ChunkStatus
 from kvflow.stores.base import Direction
-from kvflow.stores.instrumented import METADATA_CALLS, InstrumentedStore
+from kvflow.testing import METADATA_CALLS, InstrumentedStore
 
 __all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 

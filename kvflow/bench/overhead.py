@@ -47,10 +47,11 @@ from kvflow.bench.common import (
 )
 from kvflow.bench.report import Report
 from kvflow.config import EngineConfig
-from kvflow.pipeline.engine import Request, TransferEngine
+from kvflow.pipeline.batch import BlockRequest
+from kvflow.pipeline.engine import TransferEngine
 from kvflow.pipeline.sync import SyncTransferEngine
 from kvflow.results import ChunkStatus
-from kvflow.stores.instrumented import InstrumentedStore
+from kvflow.testing import InstrumentedStore
 
 __all__ = ["DESCRIPTION", "FLAT_SHARE", "NullCopyStore", "add_arguments", "plot", "run"]
 
@@ -98,13 +99,13 @@ class _Steps:
         self.blocks = chunks * CHUNK_BLOCKS
         self.tokens = self.blocks * engine.layout.block_size
 
-    def batch(self, requests: int) -> list[Request]:
+    def batch(self, requests: int) -> list[BlockRequest]:
         """``requests`` requests with fresh token ids."""
         ids = np.arange(requests * self.blocks, dtype=np.int64).reshape(requests, self.blocks)
         toks = self.rng.integers(0, 50_000, (requests, self.tokens), dtype=np.int64)
-        return list(zip(toks, ids, strict=True))
+        return [BlockRequest(t, b) for t, b in zip(toks, ids, strict=True)]
 
-    async def step(self, op: str, batch: list[Request]) -> tuple[float, float, float]:
+    async def step(self, op: str, batch: list[BlockRequest]) -> tuple[float, float, float]:
         """Seconds of the whole step, of its per-layer part (the layer loop), and the CPU
         seconds of the process (every thread) during the step."""
         engine = self.engine

@@ -33,8 +33,8 @@ from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.pipeline.sync import SyncTransferEngine
 from kvflow.stores.base import Direction
-from kvflow.stores.instrumented import InstrumentedStore
 from kvflow.stores.local import LocalStore
+from kvflow.testing import InstrumentedStore
 
 __all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 
