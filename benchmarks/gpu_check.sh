@@ -5,8 +5,8 @@
 # each step's log. The exit status is the first failing step's. Every step has a time limit,
 # and the limits add up to 7.5 minutes: the script ends in under 8 whatever happens.
 #
-# Needs python3 with a CUDA build of torch, numpy, anyio, pytest and hypothesis (CUDA images
-# for PyTorch have them) and a C compiler for the native copy loop. Nothing is fetched: wheels
+# Needs python3 with a CUDA build of torch, numpy, pytest and hypothesis (CUDA images for
+# PyTorch have them) and a C compiler for the native copy loop. Nothing is fetched: wheels
 # placed in .whl/ (e.g. pytest-asyncio, pytest-timeout) are installed from there first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
