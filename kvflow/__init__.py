@@ -40,6 +40,8 @@ from kvflow.pipeline import (
     TransferEngine,
 )
 from kvflow.pipeline.engine import Request
+from kvflow.pool.store import SharedStore
+from kvflow.pool.store_config import SharedStoreConfig
 from kvflow.results import ChunkStatus, RequestResult, TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores import (
@@ -55,8 +57,6 @@ from kvflow.stores import (
     MooncakeStats,
     MooncakeStore,
     ReadSession,
-    SharedStore,
-    SharedStoreConfig,
     Store,
     StoreUsage,
     SupportsPrefixContext,

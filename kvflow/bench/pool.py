@@ -42,9 +42,9 @@ from kvflow.errors import KVFlowError
 from kvflow.keys import KeySpace
 from kvflow.layout import KVLayout
 from kvflow.pipeline.engine import TransferEngine
+from kvflow.pool.store import SharedStore
 from kvflow.stores.base import Direction, Store
 from kvflow.stores.instrumented import InstrumentedStore
-from kvflow.stores.shared import SharedStore
 
 __all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 

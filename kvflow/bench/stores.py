@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from kvflow.errors import ConfigError
 from kvflow.pool.launch import wait_until_serving
+from kvflow.pool.store import SharedStore
 from kvflow.stores.base import Store
 from kvflow.stores.local import LocalStore
-from kvflow.stores.shared import SharedStore
 
 if TYPE_CHECKING:
     from kvflow.stores.mooncake import MooncakeStore

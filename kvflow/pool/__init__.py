@@ -1,5 +1,6 @@
 """The node-local shared pool: a server process (``kvflow serve``) that owns a shared-memory
-arena and its index, and the wire protocol its clients (``kvflow.SharedStore``) speak."""
+arena and its index, the wire protocol, and the store that is its client (``kvflow.SharedStore``,
+``store.py``)."""
 
 from kvflow.pool.server import PoolConfig, PoolServer
 

@@ -17,7 +17,6 @@ from kvflow.stores.memcache_config import MemcacheConfig
 from kvflow.stores.mooncake import MooncakeStats, MooncakeStore
 from kvflow.stores.mooncake_config import MooncakeConfig
 from kvflow.stores.mooncake_master import MooncakeMaster
-from kvflow.stores.shared import SharedStore, SharedStoreConfig
 
 __all__ = [
     "CopyRecord",
@@ -32,8 +31,6 @@ __all__ = [
     "MooncakeStats",
     "MooncakeStore",
     "ReadSession",
-    "SharedStore",
-    "SharedStoreConfig",
     "Store",
     "StoreUsage",
     "SupportsPrefixContext",

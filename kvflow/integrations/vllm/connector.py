@@ -660,7 +660,7 @@ def _make_store(config: ConnectorConfig, scheduler: bool, device: str = "cpu") -
     """The pool the config names. The scheduler only looks up: a Mooncake scheduler is a pure
     client. ``local`` gives one embedded pool per process (scheduler and worker must share it)."""
     if config.store == "shared":
-        from kvflow.stores.shared import SharedStore
+        from kvflow.pool.store import SharedStore
 
         shared = config.shared_config()
         if scheduler:  # it never copies: no CUDA context, no page-locked mapping

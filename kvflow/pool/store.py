@@ -28,10 +28,10 @@ from kvflow.errors import (
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection, query_stats
 from kvflow.pool.launch import start_in_background
+from kvflow.pool.store_config import SharedStoreConfig
 from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
 from kvflow.stores.copyloop import NATIVE, copy_ranges
 from kvflow.stores.regions import HeldSpans, LocalRegions, in_range
-from kvflow.stores.shared_config import SharedStoreConfig
 
 __all__ = ["SharedStore", "SharedStoreConfig"]
 
