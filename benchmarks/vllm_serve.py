@@ -57,7 +57,7 @@ from serve_instances import (
     stop_pool,
 )
 
-from kvflow.stores.mooncake_master import MooncakeMaster
+from kvflow.stores.mooncake.master import MooncakeMaster
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench-results"

@@ -63,7 +63,7 @@ from typing import Any
 from serve_instances import kvflow_mooncake_extra, mooncake_store_connector_env, order
 from vllm_instance import BLOCK, Instance
 
-from kvflow.stores.mooncake_master import MooncakeMaster
+from kvflow.stores.mooncake.master import MooncakeMaster
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench-results"

@@ -19,7 +19,7 @@ import pytest
 
 import kvflow
 from kvflow.pool import PoolConfig, PoolServer
-from kvflow.stores.mooncake_master import MooncakeMaster, find_master_binary
+from kvflow.stores.mooncake.master import MooncakeMaster, find_master_binary
 from tests.memcache.standin import MemcacheStandIn
 
 __all__ = [

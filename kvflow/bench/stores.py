@@ -81,8 +81,8 @@ def mooncake_store(capacity: int) -> Iterator[MooncakeStore]:
     """A MooncakeStore with a segment of ``capacity`` bytes (16 MiB at least), on the master
     named in the environment or on one started for it; closed (and that master stopped) after."""
     from kvflow.stores.mooncake import MooncakeStore
-    from kvflow.stores.mooncake_config import ENV_PREFIX
-    from kvflow.stores.mooncake_master import MooncakeMaster
+    from kvflow.stores.mooncake.config import ENV_PREFIX
+    from kvflow.stores.mooncake.master import MooncakeMaster
 
     with ExitStack() as stack:
         address = os.environ.get(ENV_PREFIX + "MASTER_SERVER_ADDRESS")

@@ -12,11 +12,8 @@ from kvflow.stores.base import (
 )
 from kvflow.stores.instrumented import CopyRecord, InstrumentedStore
 from kvflow.stores.local import LocalStore
-from kvflow.stores.memcache import MemcacheStats, MemcacheStore
-from kvflow.stores.memcache_config import MemcacheConfig
-from kvflow.stores.mooncake import MooncakeStats, MooncakeStore
-from kvflow.stores.mooncake_config import MooncakeConfig
-from kvflow.stores.mooncake_master import MooncakeMaster
+from kvflow.stores.memcache import MemcacheConfig, MemcacheStats, MemcacheStore
+from kvflow.stores.mooncake import MooncakeConfig, MooncakeMaster, MooncakeStats, MooncakeStore
 
 __all__ = [
     "CopyRecord",

@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.stores import memcache_client as adapter
-from kvflow.stores.memcache_config import MEDIA
+from kvflow.stores.memcache import client as adapter
+from kvflow.stores.memcache.config import MEDIA
 from tests.memcache.conftest import CHUNK, layout_of, tokens
 from tests.memcache.standin import KeyInfoStandIn, MemcacheStandIn
 from tests.pools import memcache_standin_store, unavailable

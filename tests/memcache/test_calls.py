@@ -10,7 +10,7 @@ import pytest
 
 import kvflow
 from kvflow import ChunkStatus, Direction, WriteStatus
-from kvflow.stores.memcache_client import COPY_G2H, COPY_G2L, COPY_H2G, COPY_L2G, READABLE
+from kvflow.stores.memcache.client import COPY_G2H, COPY_G2L, COPY_H2G, COPY_L2G, READABLE
 from tests.memcache.conftest import CHUNK, chunk_keys, layout_of, same_blocks, tokens
 from tests.memcache.standin import MemcacheStandIn
 from tests.pools import memcache_standin_store

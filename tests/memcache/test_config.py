@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.stores.memcache_client import copy_batches, copy_directions
-from kvflow.stores.memcache_config import MemcacheConfig
+from kvflow.stores.memcache.client import copy_batches, copy_directions
+from kvflow.stores.memcache.config import MemcacheConfig
 
 META = "tcp://10.0.0.1:5000"
 STORE = "tcp://10.0.0.1:6000"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import kvflow
-from kvflow.stores.memcache_config import LOCAL_CONFIG_ENV
+from kvflow.stores.memcache.config import LOCAL_CONFIG_ENV
 from tests.memcache.standin import LocalConfigStandIn, MemcacheStandIn, standin_module
 
 META = "tcp://127.0.0.1:5000"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import kvflow
-from kvflow.stores.mooncake_config import MooncakeConfig
+from kvflow.stores.mooncake.config import MooncakeConfig
 
 MASTER = "10.0.0.1:50051"
 

@@ -23,8 +23,8 @@ from kvflow.config import (
 from kvflow.devices import device_kind
 from kvflow.errors import ConfigError
 from kvflow.pool.store_config import SharedStoreConfig
-from kvflow.stores.memcache_config import MemcacheConfig
-from kvflow.stores.mooncake_config import MooncakeConfig
+from kvflow.stores.memcache.config import MemcacheConfig
+from kvflow.stores.mooncake.config import MooncakeConfig
 
 __all__ = ["AUTO", "STORES", "ConnectorConfig"]
 

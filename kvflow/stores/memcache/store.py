@@ -30,43 +30,35 @@ short answer, or a call past ``timeout_s`` raises StoreUnavailableError.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvflow.errors import (
-    ClosedError,
-    InvalidArgumentError,
-    StoreError,
-    StoreUnavailableError,
-)
-from kvflow.stores.base import Direction, ReadSession, Store, WriteSession, WriteStatus
-from kvflow.stores.calls import BoundedCalls
-from kvflow.stores.memcache_client import (
-    ADDRESS_LIMIT,
+from kvflow.errors import InvalidArgumentError, StoreError, StoreUnavailableError
+from kvflow.stores.base import Direction, ReadSession, WriteSession, WriteStatus
+from kvflow.stores.memcache.client import (
     DOWN,
     MAX_KEY_BYTES,
     MISSING,
-    NO_MEMORY,
-    OBJECT_EXISTS,
     READABLE,
     WRITE_FAIL,
     WRITE_OK,
-    copy_batches,
+    alloc_results,
     copy_directions,
-    is_zero,
+    copy_in_batches,
+    key_info,
     native_code,
     start_client,
 )
-from kvflow.stores.memcache_config import MemcacheConfig
-from kvflow.stores.regions import HeldSpans, LocalRegions
+from kvflow.stores.memcache.config import MemcacheConfig
+from kvflow.stores.native import NativeStore, check_nbytes, check_ok_flags
+from kvflow.stores.regions import HeldSpans
 
 __all__ = ["MemcacheStats", "MemcacheStore"]
 
@@ -100,8 +92,12 @@ class _Session:
     held: np.ndarray  # positions of the granted (write) or found (read) keys
     writing: bool
 
+    @property
+    def objects(self) -> int:
+        return int(self.held.size)
 
-class MemcacheStore(Store):
+
+class MemcacheStore(NativeStore[MemcacheStats, _Session]):
     """A Store on Ascend memcache. ``MemcacheStore(meta_service_url="tcp://10.0.0.1:5000",
     config_store_url="tcp://10.0.0.1:6000", device_id=0)``, or
     ``MemcacheStore(MemcacheConfig.from_env())``.
@@ -117,38 +113,24 @@ class MemcacheStore(Store):
     client the store made.
     """
 
-    inline_metadata = False
+    engine = "memcache"
 
     def __init__(
         self, config: MemcacheConfig | None = None, *, client: Any = None, **options: Any
     ) -> None:
         if config is not None and options:
             raise InvalidArgumentError("options", sorted(options), "give a config or options")
-        self.config = config or MemcacheConfig(**options)
-        self._calls = BoundedCalls("memcache", self.config.timeout_s, self._timed_out)
+        self.config = cfg = config or MemcacheConfig(**options)
         self._owns_client = client is None
-        try:
-            self._client = client if client is not None else start_client(self.config)
-        except BaseException:
-            self._calls.shutdown()
-            raise
-        self._to_pool, self._from_pool = copy_directions(self.config.local_memory)
-        self.device_memory = frozenset({"cpu" if self.config.local_memory == "host" else "npu"})
-        self._lock = threading.Lock()  # spans, counters, copies in flight
-        self._cond = threading.Condition(self._lock)
-        self._meta_lock = threading.RLock()  # sessions, in order of the metadata calls
+        self._client = client if client is not None else start_client(cfg)
         finish_api = callable(getattr(self._client, "batch_write_finish", None))
-        self._stats = MemcacheStats(write_finish_api=finish_api)
-        self._sessions: dict[int, _Session] = {}
-        self._handles = itertools.count(1)
-        self._writing: set[str] = set()  # keys allocated here and not finished
-        self._reading: dict[str, int] = {}  # key -> read sessions here sharing its lease
+        super().__init__(MemcacheStats(write_finish_api=finish_api), cfg.key_prefix, cfg.timeout_s)
+        self._to_pool, self._from_pool = copy_directions(cfg.local_memory)
+        self.device_memory = frozenset({"cpu" if cfg.local_memory == "host" else "npu"})
+        self._cond = threading.Condition(self._lock)  # copies in flight
         self._write_spans = HeldSpans()
         self._read_spans = HeldSpans()
         self._in_flight = 0
-        self._regions = LocalRegions()
-        self._registered: dict[tuple[int, int], int] = {}  # span -> registrations
-        self._closed = False
         if not self._stats.write_finish_api:
             log.warning(
                 "kvflow: this memcache has no batch_write_finish; other processes may see "
@@ -156,32 +138,6 @@ class MemcacheStore(Store):
             )
 
     # -- the Store interface ------------------------------------------------------------------
-
-    def register(self, regions: Sequence[tuple[int, int]]) -> None:
-        with self._meta_lock:
-            for addr, nbytes in regions:
-                span = (int(addr), int(nbytes))
-                if span not in self._registered and self.config.register_buffers:
-                    rc = self._call("register_buffer", self._client.register_buffer, *span)
-                    if rc != 0:
-                        where = f"{nbytes} bytes at {int(addr):#x}"
-                        raise StoreError(f"memcache refused to register {where}", native_code(rc))
-                self._registered[span] = self._registered.get(span, 0) + 1
-            self._regions.register(regions)
-
-    def unregister(self, regions: Sequence[tuple[int, int]]) -> None:
-        with self._meta_lock:
-            for addr, nbytes in regions:
-                span = (int(addr), int(nbytes))
-                users = self._registered.get(span, 0)
-                if users > 1:
-                    self._registered[span] = users - 1
-                elif users == 1:
-                    del self._registered[span]
-                    if self.config.register_buffers:
-                        self._quiet("unregister_buffer", self._client.unregister_buffer, *span)
-            self._regions = LocalRegions()
-            self._regions.register(list(self._registered))
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray:
         keys = list(keys)
@@ -195,22 +151,16 @@ class MemcacheStore(Store):
 
     def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession:
         keys = tuple(keys)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
-            raise InvalidArgumentError("nbytes", nbytes, "must be an integer >= 1")
-        if nbytes >= 1 << 48:
-            raise InvalidArgumentError("nbytes", nbytes, "objects are limited to 256 TiB")
+        nbytes = check_nbytes(nbytes, (1 << 48) - 1, "256 TiB")
         self._check_keys(keys)
         status = np.full(len(keys), WriteStatus.EXISTS, dtype=np.int8)  # pending here, repeated
         addrs = np.zeros(len(keys), dtype=np.int64)
         with self._meta_lock:
             self._check_open()
-            first: dict[str, int] = {}
-            for i, key in enumerate(keys):
-                if key not in self._writing and key not in first:
-                    first[key] = i
+            first = self._new_writes(keys)
             if first:
                 pos = np.fromiter(first.values(), dtype=np.int64, count=len(first))
-                status[pos], addrs[pos] = self._allocate(list(first), int(nbytes))
+                status[pos], addrs[pos] = self._allocate(list(first), nbytes)
             granted = np.flatnonzero(status == WriteStatus.GRANTED)
             self._writing.update(keys[i] for i in granted)
             starts = addrs[granted]
@@ -218,9 +168,7 @@ class MemcacheStore(Store):
         return WriteSession(handle, keys, addrs, status)
 
     def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
-        ok = np.asarray(ok, dtype=bool)
-        if ok.shape != (len(session.keys),):
-            raise InvalidArgumentError("ok", ok.shape, f"expected {len(session.keys)} flags")
+        ok = check_ok_flags(ok, len(session.keys))
         with self._meta_lock:
             s = self._close_session(session.handle, writing=True)
             if s is None or s.held.size == 0:
@@ -248,9 +196,9 @@ class MemcacheStore(Store):
                 info = where.get(key)
                 if info is not None:
                     found[i], addrs[i], ends[i] = True, info[0], info[0] + info[1]
-                    self._reading[key] = self._reading.get(key, 0) + 1
             deadline = started + self.config.read_lease_ttl_ms / 1000 * (1 - _LEASE_MARGIN)
             held = np.flatnonzero(found)
+            self._read_more(keys[i] for i in held)
             handle = self._open(_Session(keys, held, False), addrs[held], ends[held], deadline)
         return ReadSession(handle, keys, addrs, found)
 
@@ -259,13 +207,7 @@ class MemcacheStore(Store):
             s = self._close_session(session.handle, writing=False)
             if s is None:
                 return
-            ended = []
-            for key in (s.keys[i] for i in s.held):
-                self._reading[key] -= 1
-                if self._reading[key] == 0:
-                    del self._reading[key]
-                    ended.append(key)
-            self._end_leases(ended)
+            self._end_leases(self._read_less(s.keys[i] for i in s.held))
 
     def batch_copy(
         self,
@@ -277,8 +219,7 @@ class MemcacheStore(Store):
         self._regions.check_call(pool_addrs, local_addrs, sizes, direction)
         reading = direction == Direction.FROM_POOL
         with self._cond:
-            if self._closed:
-                raise ClosedError("MemcacheStore")
+            self._check_open()
             if pool_addrs.size == 0:
                 return np.zeros(0, dtype=np.int64)
             failed = ~self._held(pool_addrs, sizes, reading, strict=True)
@@ -302,22 +243,6 @@ class MemcacheStore(Store):
         return result
 
     # -- beyond the interface -----------------------------------------------------------------
-
-    @property
-    def client(self) -> Any:
-        """The memcache client underneath (keys written through it bypass ``key_prefix``)."""
-        return self._client
-
-    def stats(self) -> MemcacheStats:
-        """A copy of the counters."""
-        with self._lock:
-            return replace(
-                self._stats,
-                codes=dict(self._stats.codes),
-                open_sessions=len(self._sessions),
-                pending_writes=len(self._writing),
-                leases=sum(s.held.size for s in self._sessions.values() if not s.writing),
-            )
 
     def close(self) -> None:
         with self._meta_lock:
@@ -345,6 +270,26 @@ class MemcacheStore(Store):
             f"sessions={len(self._sessions)}, in_flight={self._in_flight}, closed={self._closed})"
         )
 
+    # -- what NativeStore asks of an engine ---------------------------------------------------
+
+    def _register_span(self, addr: int, nbytes: int) -> None:
+        if not self.config.register_buffers:
+            return
+        rc = self._call("register_buffer", self._client.register_buffer, addr, nbytes)
+        if rc != 0:
+            where = f"{nbytes} bytes at {addr:#x}"
+            raise StoreError(f"memcache refused to register {where}", native_code(rc))
+
+    def _unregister_span(self, addr: int, nbytes: int) -> None:
+        if self.config.register_buffers:
+            self._quiet("unregister_buffer", self._client.unregister_buffer, addr, nbytes)
+
+    def _count_meta(self) -> None:
+        self._stats.meta_calls += 1
+
+    def _forget(self, handle: int, session: _Session) -> None:
+        (self._write_spans if session.writing else self._read_spans).remove(handle)
+
     # -- metadata -----------------------------------------------------------------------------
 
     def _allocate(self, keys: list[str], nbytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -360,19 +305,14 @@ class MemcacheStore(Store):
             cfg = self.config
             names = [keys[i] for i in absent]
             sizes = [nbytes] * len(names)
-            got = self._answer("batch_alloc", names, sizes, cfg.media_code, cfg.write_lease_ttl_ms)
-            values = [native_code(v) for v in got]
-            gvas = np.array([v if v > 0 else 0 for v in values], dtype=np.int64)
-            codes = np.array([min(v, 0) for v in values], dtype=np.int64)
-            ok = gvas > 0
-            status[absent[ok]], addrs[absent[ok]] = WriteStatus.GRANTED, gvas[ok]
-            status[absent[codes == OBJECT_EXISTS]] = WriteStatus.EXISTS
-            status[absent[np.isin(codes, NO_MEMORY)]] = WriteStatus.NO_SPACE
-            unknown = absent[~ok & (codes != OBJECT_EXISTS) & ~np.isin(codes, NO_MEMORY)]
+            extra = cfg.media_code, cfg.write_lease_ttl_ms
+            got, gvas, codes = alloc_results(self._answer("batch_alloc", names, sizes, *extra))
+            status[absent], addrs[absent] = got, gvas
+            unknown = absent[got == WriteStatus.FAILED]
             if unknown.size:  # memcache answers 0 without a reason: was it another writer?
                 again = self._codes("batch_is_exist", [keys[i] for i in unknown], quiet=True)
                 status[unknown[again == 1]] = WriteStatus.EXISTS
-            self._count(codes[~ok & (codes != 0)])
+            self._count_codes(codes[(gvas == 0) & (codes != 0)].tolist())
         with self._lock:
             self._stats.exists += int((status == WriteStatus.EXISTS).sum())
             self._stats.no_space += int((status == WriteStatus.NO_SPACE).sum())
@@ -389,7 +329,7 @@ class MemcacheStore(Store):
         results = [WRITE_OK if c else WRITE_FAIL for c in commit.tolist()]
         codes = self._codes("batch_write_finish", keys, results, quiet=not commit.any())
         refused = codes != 0
-        self._count(codes[refused])
+        self._count_codes(codes[refused].tolist())
         if (refused & ~commit).any():
             shown = codes[refused & ~commit][:4].tolist()
             log.warning("kvflow: memcache refused to abort objects (codes %s)", shown)
@@ -405,7 +345,7 @@ class MemcacheStore(Store):
         refused = codes[(codes != 0) & ~np.isin(codes, MISSING)]
         with self._lock:
             self._stats.lease_failures += int(refused.size)
-        self._count(refused)
+        self._count_codes(refused.tolist())
         try:
             infos = self._key_info(leased) if leased else []
         except BaseException:
@@ -417,16 +357,7 @@ class MemcacheStore(Store):
 
     def _key_info(self, keys: list[str]) -> list[tuple[int, int] | None]:
         """Per key, the (GVA, size) of a readable object, or None."""
-        infos = self._answer("batch_get_key_info", keys, READABLE)
-        out: list[tuple[int, int] | None] = []
-        for info in infos:
-            try:
-                size, gvas = int(info.size()), [int(g) for g in info.gva_list()]
-            except (AttributeError, TypeError, ValueError) as exc:
-                raise StoreError(f"memcache batch_get_key_info answered {info!r}") from exc
-            readable = size > 0 and bool(gvas) and 0 < gvas[0] < ADDRESS_LIMIT
-            out.append((gvas[0], size) if readable else None)
-        return out
+        return [key_info(info) for info in self._answer("batch_get_key_info", keys, READABLE)]
 
     def _end_leases(self, keys: list[str]) -> None:
         if not keys:
@@ -442,8 +373,7 @@ class MemcacheStore(Store):
         got = self._meta(name, keys, *extra)
         answer = list(got) if isinstance(got, (list, tuple)) else []
         if len(answer) != len(keys):
-            with self._lock:
-                self._stats.unavailable += 1
+            self._unavailable()
             raise StoreUnavailableError(
                 f"memcache {name} answered {len(answer)} results for {len(keys)} keys"
             )
@@ -460,28 +390,6 @@ class MemcacheStore(Store):
             log.warning("kvflow: memcache %s failed: %s", name, exc)
             return np.full(len(keys), -1, dtype=np.int64)
 
-    def _meta(self, name: str, keys: list[str], *extra: Any, quiet: bool = False) -> Any:
-        """One call that talks to the meta service, with ``key_prefix`` applied."""
-        prefix = self.config.key_prefix
-        named = [prefix + k for k in keys] if prefix else keys
-        with self._lock:
-            self._stats.meta_calls += 1
-        try:
-            return self._call(name, getattr(self._client, name), named, *extra)
-        except StoreError as exc:
-            if not quiet:
-                raise
-            log.warning("kvflow: memcache %s failed: %s", name, exc)
-            return None
-
-    def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the store's call threads, waiting at most ``timeout_s``."""
-        return self._calls.call(name, fn, *args)
-
-    def _timed_out(self) -> None:
-        with self._lock:
-            self._stats.unavailable += 1
-
     def _quiet(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
         try:
             rc = self._call(name, fn, *args)
@@ -491,23 +399,11 @@ class MemcacheStore(Store):
             log.warning("kvflow: memcache %s: %r", name, rc)
 
     def _down(self, name: str, codes: np.ndarray) -> None:
-        self._count(codes)
-        with self._lock:
-            self._stats.unavailable += 1
+        self._count_codes(codes.tolist())
+        self._unavailable()
         raise StoreUnavailableError(f"memcache {name} failed for every key", int(codes[0]))
 
-    def _count(self, codes: np.ndarray) -> None:
-        if codes.size == 0:
-            return
-        with self._lock:
-            for code in codes.tolist():
-                self._stats.codes[code] = self._stats.codes.get(code, 0) + 1
-
     # -- sessions and copies ------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("MemcacheStore")
 
     def _check_keys(self, keys: Sequence[str]) -> None:
         self._check_open()
@@ -519,22 +415,10 @@ class MemcacheStore(Store):
 
     def _open(self, s: _Session, starts: np.ndarray, ends: np.ndarray, deadline: float) -> int:
         with self._lock:
-            handle = next(self._handles)
-            self._sessions[handle] = s
+            handle = self._add_session(s)
             spans = self._write_spans if s.writing else self._read_spans
             spans.add(handle, starts, ends, deadline, None)
         return handle
-
-    def _close_session(self, handle: int, *, writing: bool) -> _Session | None:
-        with self._lock:
-            s = self._sessions.get(handle)
-            if s is None or s.writing != writing:
-                if self._closed:
-                    return None
-                raise InvalidArgumentError("session", handle, "unknown or already finished session")
-            del self._sessions[handle]
-            (self._write_spans if writing else self._read_spans).remove(handle)
-        return s
 
     def _held(
         self, pool: np.ndarray, sizes: np.ndarray, reading: bool, *, strict: bool
@@ -557,26 +441,13 @@ class MemcacheStore(Store):
     ) -> np.ndarray:
         """The ranges in memcache batch_copy calls of bounded size; per range, whether it moved."""
         direct = self._from_pool if reading else self._to_pool
-        ok = np.zeros(pool.size, dtype=bool)
         cfg = self.config
-        bad: list[int | str] = []
-        runs = copy_batches(sizes, cfg.max_copy_batch, int(cfg.max_copy_bytes))
-        for lo, hi in runs:
-            try:
-                rc: Any = self._client.batch_copy(
-                    pool[lo:hi].tolist(), local[lo:hi].tolist(), sizes[lo:hi].tolist(), direct
-                )
-            except (RuntimeError, ValueError, TypeError) as exc:
-                rc = f"{type(exc).__name__}: {exc}"
-            ok[lo:hi] = is_zero(rc)
-            if not is_zero(rc):
-                bad.append(rc)
+        limits = cfg.max_copy_batch, int(cfg.max_copy_bytes)
+        ok, calls, bad = copy_in_batches(self._client, direct, pool, local, sizes, *limits)
         with self._lock:
-            self._stats.copy_calls += len(runs)
+            self._stats.copy_calls += calls
             self._stats.copy_failures += len(bad)
-            for rc in bad:
-                if isinstance(rc, int):
-                    self._stats.codes[rc] = self._stats.codes.get(rc, 0) + 1
+        self._count_codes(rc for rc in bad if isinstance(rc, int))
         if bad:
             log.warning("kvflow: %d memcache batch_copy calls failed (%s)", len(bad), bad[:4])
         return ok

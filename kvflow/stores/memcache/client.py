@@ -13,7 +13,9 @@ import numpy as np
 
 from kvflow.bounded import BoundedCaller
 from kvflow.errors import ConfigError, MissingDependencyError, StoreError, StoreUnavailableError
-from kvflow.stores.memcache_config import LOCAL_CONFIG_ENV, MemcacheConfig
+from kvflow.stores.base import WriteStatus
+from kvflow.stores.memcache.config import LOCAL_CONFIG_ENV, MemcacheConfig
+from kvflow.stores.native import BINDING_ERRORS
 
 __all__ = [
     "ADDRESS_LIMIT",
@@ -29,9 +31,12 @@ __all__ = [
     "READABLE",
     "WRITE_FAIL",
     "WRITE_OK",
+    "alloc_results",
     "copy_batches",
     "copy_directions",
+    "copy_in_batches",
     "is_zero",
+    "key_info",
     "memcache_module",
     "native_code",
     "start_client",
@@ -127,7 +132,7 @@ def start_client(config: MemcacheConfig) -> Any:
 def close_quietly(client: Any) -> None:
     try:
         client.close()
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except BINDING_ERRORS as exc:
         log.warning("kvflow: closing a memcache client that failed to start: %s", exc)
 
 
@@ -146,3 +151,55 @@ def native_code(value: Any) -> int:
 
 def is_zero(rc: Any) -> bool:
     return isinstance(rc, (int, np.integer)) and not isinstance(rc, bool) and int(rc) == 0
+
+
+def alloc_results(answer: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``batch_alloc``'s answer, per key: the WriteStatus (GRANTED with a GVA, EXISTS,
+    NO_SPACE, else FAILED), the GVA (0 when none) and the code (0 with a GVA, and for a
+    refusal memcache gives no reason for)."""
+    values = [native_code(v) for v in answer]
+    gvas = np.array([v if v > 0 else 0 for v in values], dtype=np.int64)
+    codes = np.array([min(v, 0) for v in values], dtype=np.int64)
+    status = np.full(len(values), WriteStatus.FAILED, dtype=np.int8)
+    status[gvas > 0] = WriteStatus.GRANTED
+    status[codes == OBJECT_EXISTS] = WriteStatus.EXISTS
+    status[np.isin(codes, NO_MEMORY)] = WriteStatus.NO_SPACE
+    return status, gvas, codes
+
+
+def key_info(info: Any) -> tuple[int, int] | None:
+    """``batch_get_key_info``'s answer for one key: (GVA, size) of a readable object, or None."""
+    try:
+        size, gvas = int(info.size()), [int(g) for g in info.gva_list()]
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise StoreError(f"memcache batch_get_key_info answered {info!r}") from exc
+    readable = size > 0 and bool(gvas) and 0 < gvas[0] < ADDRESS_LIMIT
+    return (gvas[0], size) if readable else None
+
+
+def copy_in_batches(
+    client: Any,
+    direction: int,
+    pool: np.ndarray,
+    local: np.ndarray,
+    sizes: np.ndarray,
+    max_count: int,
+    max_bytes: int,
+) -> tuple[np.ndarray, int, list[int | str]]:
+    """The ranges in ``batch_copy`` calls of at most ``max_count`` ranges and ``max_bytes``
+    bytes (``copy_batches``): per range whether it moved, how many calls went out, and what
+    each failed call answered (its code, or what it raised)."""
+    ok = np.zeros(pool.size, dtype=bool)
+    bad: list[int | str] = []
+    runs = copy_batches(sizes, max_count, max_bytes)
+    for lo, hi in runs:
+        try:
+            rc: Any = client.batch_copy(
+                pool[lo:hi].tolist(), local[lo:hi].tolist(), sizes[lo:hi].tolist(), direction
+            )
+        except BINDING_ERRORS as exc:
+            rc = f"{type(exc).__name__}: {exc}"
+        ok[lo:hi] = is_zero(rc)
+        if not is_zero(rc):
+            bad.append(rc)
+    return ok, len(runs), bad
