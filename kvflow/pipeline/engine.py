@@ -14,27 +14,22 @@ before the cancellation goes on.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
 
-from kvflow import trace
 from kvflow.config import EngineConfig
 from kvflow.devices import DeviceOps, device_kind, device_ops
-from kvflow.errors import ClosedError, KVFlowError, LayoutError, TransferTimeoutError
+from kvflow.errors import ClosedError, KVFlowError, LayoutError
 from kvflow.keys import KeySpace, chunk_hashes, token_array
 from kvflow.layout import KVLayout
-from kvflow.pipeline.batch import BatchPlan, plan_batch
-from kvflow.pipeline.executor import PinnedExecutor
+from kvflow.pipeline.batch import BatchPlan, BlockRequest, plan_batch
 from kvflow.pipeline.handles import LoadHandle, SaveHandle
-from kvflow.pipeline.transfer import _STRAGGLER_GRACE, BatchTransfer
-from kvflow.pipeline.waits import future_within
+from kvflow.pipeline.runtime import Runtime
+from kvflow.pipeline.transfer import BatchTransfer
 from kvflow.results import ChunkStatus, TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores.base import (
@@ -46,12 +41,10 @@ from kvflow.stores.base import (
 )
 from kvflow.stores.copyloop import stream_min_bytes
 
-__all__ = ["Request", "TransferEngine"]
+__all__ = ["TransferEngine"]
 
 log = logging.getLogger("kvflow")
-T = TypeVar("T")
 H = TypeVar("H", bound=BatchTransfer)
-Request = tuple[Any, Any]  # (token_ids, block_ids)
 
 
 class TransferEngine:
@@ -86,7 +79,7 @@ class TransferEngine:
             num_layers=layout.num_layers,
             rank=self.config.rank,
         )
-        self._device = device or device_ops(layout.device)
+        self.device = device or device_ops(layout.device)
         if device_kind(layout.device) not in store.device_memory:
             raise LayoutError(
                 "device",
@@ -96,13 +89,10 @@ class TransferEngine:
             )
         if device_kind(layout.device) == "cpu":  # the host copy loop's choice, made now
             stream_min_bytes()  # (once per process) rather than in the first load
-        self._stats = EngineStats(num_layers=layout.num_layers)
-        self._handles: set[BatchTransfer] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         store.register(layout.regions())
-        self._copier = PinnedExecutor(self.config.copy_threads, self.config.copy_cpus)
-        self._meta_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-meta")
+        self._runtime = Runtime(layout, store, self.config, self.device)
+        self._stats = self._runtime.stats
 
     # -- public operations --------------------------------------------------------------------
 
@@ -119,7 +109,7 @@ class TransferEngine:
         if not keys:
             return 0
         try:
-            found = await self._meta(self.store.lookup, keys)
+            found = await self._runtime.meta(self.store.lookup, keys)
         except KVFlowError as exc:
             log.warning("kvflow: lookup failed, counted as a miss: %s", exc)
             self._stats.lookup_errors += 1
@@ -132,19 +122,19 @@ class TransferEngine:
         self._stats.miss_chunks += len(keys) - hits
         return hits * chunk_tokens
 
-    async def start_load(self, requests: Sequence[Request]) -> LoadHandle:
-        """Start loading a batch of ``(token_ids, block_ids)``; returns at once with a handle.
+    async def start_load(self, requests: Sequence[BlockRequest | tuple[Any, Any]]) -> LoadHandle:
+        """Start loading a batch of ``BlockRequest(token_ids, block_ids)``; returns at once.
 
         Every full chunk of each request is loaded into its blocks. Chunks not in the pool come
         back MISSING, chunks whose copy fails FAILED: their blocks must be recomputed. Use as
         ``async with await engine.start_load(batch) as load:`` (see ``LoadHandle``).
         """
-        self._check_open()
-        return await self._open_load(self._plan(requests, load=True), self._device.load_started())
+        return await self.open_load(self.plan(requests, load=True), self.device.load_started())
 
-    async def _open_load(self, plan: BatchPlan, ready: Any = None) -> LoadHandle:
-        """The store half of ``start_load``, for a plan made (and checked) already; ``ready``
-        is ``DeviceOps.load_started``'s token from the caller's thread."""
+    async def open_load(self, plan: BatchPlan, ready: Any = None) -> LoadHandle:
+        """The store half of ``start_load``, for a plan made (and checked) already by ``plan``;
+        ``ready`` is ``DeviceOps.load_started``'s token from the caller's thread. Internal to
+        kvflow (SyncTransferEngine plans on its caller's thread and opens on the loop)."""
         self._check_open()
         status = np.full(plan.num_chunks, ChunkStatus.FAILED, dtype=np.int8)
         session = None
@@ -152,14 +142,15 @@ class TransferEngine:
             try:
                 store = self.store
                 if plan.context and isinstance(store, SupportsPrefixContext):
-                    session = await self._meta(
+                    session = await self._runtime.meta(
                         store.open_read_with_context,
                         plan.keys,
                         plan.context,
-                        on_late=self._late_read,
+                        on_late=self._runtime.late_read,
                     )
                 else:
-                    session = await self._meta(store.open_read, plan.keys, on_late=self._late_read)
+                    late = self._runtime.late_read
+                    session = await self._runtime.meta(store.open_read, plan.keys, on_late=late)
             except KVFlowError as exc:
                 self._stats.store_errors += 1
                 self._stats.failed_chunks += plan.num_chunks
@@ -175,18 +166,18 @@ class TransferEngine:
         handle.ready = ready  # read by its first layer, on the loop, after this returns
         return handle
 
-    async def start_save(self, requests: Sequence[Request]) -> SaveHandle:
-        """Start saving a batch of ``(token_ids, block_ids)``; returns at once with a handle.
+    async def start_save(self, requests: Sequence[BlockRequest | tuple[Any, Any]]) -> SaveHandle:
+        """Start saving a batch of ``BlockRequest(token_ids, block_ids)``; returns at once.
 
         Only full chunks are saved; chunks already stored come back EXISTS, chunks that found no
         room NO_SPACE (skipped, counted). Objects become visible after the last layer. Use as
         ``async with await engine.start_save(batch) as save:`` (see ``SaveHandle``).
         """
-        self._check_open()
-        return await self._open_save(self._plan(requests, load=False))
+        return await self.open_save(self.plan(requests, load=False))
 
-    async def _open_save(self, plan: BatchPlan) -> SaveHandle:
-        """The store half of ``start_save``, for a plan made (and checked) already."""
+    async def open_save(self, plan: BatchPlan) -> SaveHandle:
+        """The store half of ``start_save``, for a plan made (and checked) already by ``plan``.
+        Internal to kvflow, as ``open_load``."""
         self._check_open()
         status = np.full(plan.num_chunks, ChunkStatus.FAILED, dtype=np.int8)
         session = None
@@ -195,16 +186,16 @@ class TransferEngine:
             try:
                 store = self.store
                 if plan.context and isinstance(store, SupportsPrefixContext):
-                    session = await self._meta(
+                    session = await self._runtime.meta(
                         store.open_write_with_context,
                         plan.keys,
                         nbytes,
                         plan.context,
-                        on_late=self._late_write,
+                        on_late=self._runtime.late_write,
                     )
                 else:
-                    session = await self._meta(
-                        store.open_write, plan.keys, nbytes, on_late=self._late_write
+                    session = await self._runtime.meta(
+                        store.open_write, plan.keys, nbytes, on_late=self._runtime.late_write
                     )
             except KVFlowError as exc:
                 self._stats.store_errors += 1
@@ -223,12 +214,12 @@ class TransferEngine:
 
     async def load(self, token_ids: Any, block_ids: Any) -> TransferResult:
         """Load one request, all layers; returns which blocks succeeded and which failed."""
-        async with await self.start_load([(token_ids, block_ids)]) as handle:
+        async with await self.start_load([BlockRequest(token_ids, block_ids)]) as handle:
             return await handle.wait()
 
     async def save(self, token_ids: Any, block_ids: Any) -> TransferResult:
         """Save one request's full chunks, all layers (its KV must already be written)."""
-        async with await self.start_save([(token_ids, block_ids)]) as handle:
+        async with await self.start_save([BlockRequest(token_ids, block_ids)]) as handle:
             for layer in range(self.layout.num_layers):
                 await handle.layer_written(layer)
             return await handle.wait()
@@ -242,30 +233,7 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        await self._shielded(self._shutdown())
-
-    async def _shutdown(self) -> None:
-        for handle in list(self._handles):
-            await handle.aclose()
-        others = self._tasks - {asyncio.current_task()}
-        if others:  # releases waiting for straggling copies, bounded by their grace
-            grace = _STRAGGLER_GRACE * self.config.copy_timeout_s + self.config.op_timeout_s
-            await asyncio.wait(others, timeout=grace)
-        stuck = self._copier.in_flight > 0 or any(not t.done() for t in others)
-        if stuck:
-            log.error("kvflow: closing with copies still running; their threads are left")
-        else:  # nothing copies any more: the store may let go of the caches' memory
-            await self._unregister()
-        self._copier.shutdown(wait=False)
-        self._meta_pool.shutdown(wait=False)
-
-    async def _unregister(self) -> None:
-        call = functools.partial(self.store.unregister, self.layout.regions())
-        try:
-            future = asyncio.get_running_loop().run_in_executor(self._meta_pool, call)
-            await asyncio.wait_for(future, self.config.op_timeout_s)
-        except (KVFlowError, TimeoutError) as exc:
-            log.warning("kvflow: the store did not unregister the KV caches: %r", exc)
+        await self._runtime.shielded(self._runtime.close())
 
     async def __aenter__(self) -> TransferEngine:
         return self
@@ -276,20 +244,19 @@ class TransferEngine:
         await self.close()
 
     def __repr__(self) -> str:
-        s = self._stats
+        s, rt = self._stats, self._runtime
         return (
-            f"TransferEngine(layers={self.layout.num_layers}, open_batches={len(self._handles)}, "
-            f"copier={self._copier!r}, copy_calls={s.copy_calls}, "
+            f"TransferEngine(layers={self.layout.num_layers}, open_batches={len(rt.batches)}, "
+            f"copier={rt.copier!r}, copy_calls={s.copy_calls}, "
             f"metadata_calls={s.store_metadata_calls}, closed={self._closed})"
         )
 
-    # -- internals used by the handles ----------------------------------------------------------
+    # -- internal to kvflow ---------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("TransferEngine")
-
-    def _plan(self, requests: Sequence[Request], *, load: bool) -> BatchPlan:
+    def plan(self, requests: Sequence[BlockRequest | tuple[Any, Any]], *, load: bool) -> BatchPlan:
+        """Check and key a batch for ``open_load`` / ``open_save`` (pure: no store call);
+        raises ClosedError once the engine is closed. Internal to kvflow, as ``open_load``."""
+        self._check_open()
         return plan_batch(self.layout, self.keyspace, requests, self.config.chunk_blocks, load=load)
 
     def _track(self, cls: type[H], plan: BatchPlan, session: Any, *args: Any) -> H:
@@ -297,91 +264,16 @@ class TransferEngine:
         session it was given is released first."""
         try:
             self._check_open()
-            handle = cls(self, plan, session, *args)
+            handle = cls(self._runtime, plan, session, *args)
         except BaseException:
             if isinstance(session, ReadSession):
-                self._late_read(session)
+                self._runtime.late_read(session)
             elif isinstance(session, WriteSession):
-                self._late_write(session)
+                self._runtime.late_write(session)
             raise
-        self._handles.add(handle)
+        self._runtime.batches.add(handle)
         return handle
 
-    def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def _shielded(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run cleanup to its end even if the caller is cancelled meanwhile (any number of
-        times): it runs as a task of its own; the caller's cancellation is re-raised."""
-        await asyncio.shield(self._background(coro))
-
-    def _record_wait(self, layer: int, seconds: float) -> None:
-        self._stats.layer_wait_s[layer] += seconds
-        self._stats.layer_waits[layer] += 1
-
-    async def _meta(
-        self,
-        fn: Callable[..., T],
-        *args: Any,
-        on_late: Callable[[T], None] | None = None,
-    ) -> T:
-        """Run a store metadata call on the metadata thread, with ``op_timeout_s`` (or inline,
-        for stores whose metadata is in-process: see ``Store.inline_metadata``).
-
-        A call that returns after its timeout hands its result to ``on_late`` (which releases
-        what it reserved).
-        """
-        self._stats.store_metadata_calls += 1
-        first = args[0] if args else None  # keys, or a session that carries them
-        keys = first if isinstance(first, (tuple, list)) else getattr(first, "keys", ())
-        self._stats.keys_touched += len(keys)
-        begun = trace.now() if trace.ENABLED else 0
-        try:
-            if self.store.inline_metadata:
-                future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-                try:
-                    future.set_result(fn(*args))
-                except KVFlowError as exc:
-                    future.set_exception(exc)
-            else:
-                future = asyncio.get_running_loop().run_in_executor(self._meta_pool, fn, *args)
-            timeout = self.config.op_timeout_s
-            try:
-                finished = await future_within(future, timeout)
-            except asyncio.CancelledError:
-                if on_late is not None:  # what the call reserves is released when it returns
-                    future.add_done_callback(lambda f: _late(f, on_late))
-                raise
-            name = getattr(fn, "__name__", repr(fn))
-            if not finished:
-                self._stats.timeouts += 1
-                if on_late is not None:
-                    future.add_done_callback(lambda f: _late(f, on_late))
-                raise TransferTimeoutError(f"store.{name}", timeout)
-            return future.result()
-        finally:
-            if begun:
-                name = getattr(fn, "__name__", "call").removesuffix("_with_context")
-                trace.complete(f"store.{name}", begun, "store", keys=len(keys))
-
-    def _late_read(self, session: Any) -> None:
-        self._meta_pool.submit(_quiet, self.store.close_read, session)
-
-    def _late_write(self, session: Any) -> None:
-        ok = np.zeros(len(session.keys), dtype=bool)
-        self._meta_pool.submit(_quiet, self.store.finish_write, session, ok)
-
-
-def _late(future: asyncio.Future[Any], on_late: Callable[[Any], None]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        on_late(future.result())
-
-
-def _quiet(fn: Callable[..., Any], *args: Any) -> None:
-    try:
-        fn(*args)
-    except KVFlowError as exc:
-        log.warning("kvflow: releasing a late store session failed: %s", exc)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("TransferEngine")

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvflow.errors import TransferTimeoutError
+from kvflow.bounded import BoundedCaller, pin_current_thread
 
-__all__ = ["PinnedExecutor", "call_pinned", "pin_current_thread"]
+__all__ = ["PinnedExecutor", "call_pinned"]
 
 T = TypeVar("T")
-
-
-def pin_current_thread(cpus: tuple[int, ...]) -> bool:
-    """Pin the calling thread to ``cpus``; False when there are none or the OS refuses."""
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return False
-    try:
-        os.sched_setaffinity(0, cpus)  # 0: the calling thread on Linux
-    except OSError:  # pinning is an optimisation, not a requirement
-        return False
-    return True
 
 
 def call_pinned(
@@ -43,35 +31,11 @@ def call_pinned(
     """
     if not cpus:
         return fn(*args)
-    box: dict[str, Any] = {}
-    lock = threading.Lock()
-
-    def run() -> None:
-        pin_current_thread(cpus)
-        try:
-            value = fn(*args)
-        except BaseException as exc:  # re-raised in the caller
-            with lock:
-                box["error"] = exc
-            return
-        with lock:
-            late = box.get("abandoned", False)
-            box["value"] = value
-        if late and on_late is not None:
-            on_late(value)
-
-    thread = threading.Thread(target=run, name="kvflow-pinned-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    with lock:
-        if "value" not in box and "error" not in box:
-            box["abandoned"] = True
-            what = f"{getattr(fn, '__name__', 'a call')} on CPUs {list(cpus)}"
-            raise TransferTimeoutError(what, timeout_s)
-    if "error" in box:
-        raise box["error"]
-    value: T = box["value"]
-    return value
+    calls = BoundedCaller("", timeout_s, cpus=cpus, on_late=on_late)
+    try:
+        return calls.call(f"{getattr(fn, '__name__', 'a call')} on CPUs {list(cpus)}", fn, *args)
+    finally:
+        calls.shutdown()
 
 
 class PinnedExecutor:

@@ -18,20 +18,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvflow import trace
 from kvflow._validate import check_timeout
 from kvflow.errors import ClosedError, InvalidArgumentError, TransferTimeoutError
+from kvflow.pipeline.runtime import Runtime
 from kvflow.pipeline.transfer import BatchTransfer
 from kvflow.pipeline.waits import acquire_within, event_within, get_within
 from kvflow.results import TransferResult
 from kvflow.stores.base import Direction, ReadSession, WriteSession
-
-if TYPE_CHECKING:
-    from kvflow.pipeline.engine import TransferEngine
 
 __all__ = ["LoadHandle", "SaveHandle"]
 
@@ -46,18 +44,18 @@ class LoadHandle(BatchTransfer):
     direction = Direction.FROM_POOL
     _blocks_stat = "blocks_loaded"
 
-    def __init__(self, engine: TransferEngine, *args: Any) -> None:
+    def __init__(self, runtime: Runtime, *args: Any) -> None:
         self._next = 0
         self._consumed = 0
         self.ready: Any = None  # DeviceOps.load_started's token: every copy waits for it
-        self._slots = asyncio.Semaphore(engine.config.prefetch_layers)
-        super().__init__(engine, *args)
+        self._slots = asyncio.Semaphore(runtime.config.prefetch_layers)
+        super().__init__(runtime, *args)
 
     def _window(self) -> int:
-        return self._engine.config.prefetch_layers
+        return self._runtime.config.prefetch_layers
 
     async def _next_layer(self) -> tuple[int, Any]:
-        limit = self._engine.config.op_timeout_s
+        limit = self._runtime.config.op_timeout_s
         if not await acquire_within(self._slots, limit):
             raise TransferTimeoutError(f"the consumer passing layer {self._next - 1}", limit)
         layer, self._next = self._next, self._next + 1
@@ -77,7 +75,7 @@ class LoadHandle(BatchTransfer):
 
     def _passed_layer(self, layer: int, waited_s: float, ready: bool) -> None:
         """A synchronous consumer waited ``waited_s`` for ``layer`` (and passed it if ready)."""
-        self._engine._record_wait(layer, waited_s)
+        self._runtime.record_wait(layer, waited_s)
         if ready:
             self._consume(layer)
 
@@ -86,18 +84,18 @@ class LoadHandle(BatchTransfer):
         ``wait()``'s result); on a CUDA GPU, when its copies are issued: the returned token is
         the event to order the consumer's stream after (``DeviceOps.order_after``). Raises
         TransferTimeoutError after ``timeout`` seconds. None on CPU."""
-        layer = self._engine.layout.check_layer(layer)
+        layer = self._runtime.layout.check_layer(layer)
         if self._closed:
             raise ClosedError("LoadHandle")
         timeout = check_timeout(timeout)
-        timeout = self._engine.config.op_timeout_s if timeout is None else timeout
+        timeout = self._runtime.config.op_timeout_s if timeout is None else timeout
         start = time.perf_counter()
         begun = trace.now() if trace.ENABLED else 0
         self._consume(layer - 1)
         try:
             ready = await self._abort_on_cancel(event_within(self._events[layer], timeout))
         finally:
-            self._engine._record_wait(layer, time.perf_counter() - start)
+            self._runtime.record_wait(layer, time.perf_counter() - start)
             if trace.ENABLED:
                 trace.complete("wait_layer", begun, "wait", layer=layer)
         if not ready:
@@ -117,7 +115,7 @@ class LoadHandle(BatchTransfer):
 
     def _release_call(self) -> tuple[Any, tuple[Any, ...]] | None:
         if isinstance(self._session, ReadSession):
-            return self._engine.store.close_read, (self._session,)
+            return self._runtime.store.close_read, (self._session,)
         return None
 
 
@@ -176,19 +174,19 @@ class SaveHandle(BatchTransfer):
     direction = Direction.TO_POOL
     _blocks_stat = "blocks_saved"
 
-    def __init__(self, engine: TransferEngine, *args: Any) -> None:
+    def __init__(self, runtime: Runtime, *args: Any) -> None:
         self._written: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._seen: set[int] = set()
         self._copied = 0
-        self._backlog = _Backlog(engine.config.save_backlog)
+        self._backlog = _Backlog(runtime.config.save_backlog)
         self._claims = threading.Lock()  # _seen is claimed from producer threads too
-        super().__init__(engine, *args)
+        super().__init__(runtime, *args)
 
     def _window(self) -> int:
-        return self._engine.config.save_backlog
+        return self._runtime.config.save_backlog
 
     async def _next_layer(self) -> tuple[int, Any]:
-        limit = self._engine.config.op_timeout_s
+        limit = self._runtime.config.op_timeout_s
         item = await get_within(self._written, limit)
         if item is None:
             raise TransferTimeoutError(f"layer_written after {len(self._seen)} layers", limit)
@@ -205,7 +203,7 @@ class SaveHandle(BatchTransfer):
     @property
     def backlog(self) -> int:
         """Layers written but not yet copied (never more than ``save_backlog``)."""
-        return max(0, self._engine.config.save_backlog - self._backlog.free)
+        return max(0, self._runtime.config.save_backlog - self._backlog.free)
 
     @property
     def copied(self) -> int:
@@ -215,7 +213,7 @@ class SaveHandle(BatchTransfer):
     async def layer_written(self, layer: int, timeout: float | None = None) -> None:
         """Layer ``layer`` of every block in the batch is written: copy it to the pool. Waits
         (at most ``timeout``) while ``save_backlog`` layers are already waiting."""
-        await self._layer_written(layer, self._engine._device.layer_written(layer), timeout)
+        await self._layer_written(layer, self._runtime.device.layer_written(layer), timeout)
 
     async def _layer_written(self, layer: int, token: Any, timeout: float | None) -> None:
         layer, limit = self._claim(layer, timeout)
@@ -228,14 +226,14 @@ class SaveHandle(BatchTransfer):
     def _claim(self, layer: int, timeout: float | None) -> tuple[int, float]:
         """Check and claim ``layer`` before waiting, so a second call for it is refused."""
         timeout = check_timeout(timeout)
-        layer = self._engine.layout.check_layer(layer)
+        layer = self._runtime.layout.check_layer(layer)
         with self._claims:
             if self._closed:
                 raise ClosedError("SaveHandle")
             if layer in self._seen:
                 raise InvalidArgumentError("layer", layer, "this layer was already written")
             self._seen.add(layer)
-        return layer, self._engine.config.op_timeout_s if timeout is None else timeout
+        return layer, self._runtime.config.op_timeout_s if timeout is None else timeout
 
     def _unclaim(self, layer: int, timeout: float) -> None:
         with self._claims:
@@ -257,4 +255,4 @@ class SaveHandle(BatchTransfer):
             return None
         ok = np.zeros(len(session.keys), dtype=bool)
         ok[self._active] = ~self._failed
-        return self._engine.store.finish_write, (session, ok)
+        return self._runtime.store.finish_write, (session, ok)

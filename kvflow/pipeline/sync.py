@@ -19,15 +19,17 @@ from typing import Any, Generic, TypeVar
 
 from kvflow import trace
 from kvflow._validate import check_timeout
+from kvflow.bounded import pin_current_thread
 from kvflow.config import EngineConfig
 from kvflow.devices import DeviceOps
 from kvflow.errors import ClosedError, KVFlowError, TransferTimeoutError
 from kvflow.keys import KeySpace
 from kvflow.layout import KVLayout
-from kvflow.pipeline.engine import Request, TransferEngine
-from kvflow.pipeline.executor import pin_current_thread
+from kvflow.pipeline.batch import BlockRequest
+from kvflow.pipeline.engine import TransferEngine
 from kvflow.pipeline.handles import LoadHandle, SaveHandle
-from kvflow.pipeline.transfer import _STRAGGLER_GRACE, BatchTransfer
+from kvflow.pipeline.runtime import STRAGGLER_GRACE
+from kvflow.pipeline.transfer import BatchTransfer
 from kvflow.results import TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores.base import Store
@@ -111,21 +113,20 @@ class SyncTransferEngine:
         timeout = check_timeout(timeout)
         return self._call(self.engine.save(token_ids, block_ids), timeout, "save")
 
-    def start_load(self, requests: Sequence[Request]) -> SyncLoadHandle:
+    def start_load(self, requests: Sequence[BlockRequest | tuple[Any, Any]]) -> SyncLoadHandle:
         """Start loading a batch; returns without waiting for the store. The requests are
         checked here (bad ones raise at once); the pool's session is opened on the engine's
         loop while the caller goes on, and the first ``wait_layer`` waits for it (within its
         own timeout): a forward's first layers overlap the store's round trip."""
         if self._closed:
             raise ClosedError("SyncTransferEngine")
-        self.engine._check_open()
-        plan = self.engine._plan(requests, load=True)
-        ready = self.engine._device.load_started()  # on the caller's thread (its stream)
-        opening = asyncio.run_coroutine_threadsafe(self.engine._open_load(plan, ready), self._loop)
+        plan = self.engine.plan(requests, load=True)
+        ready = self.engine.device.load_started()  # on the caller's thread (its stream)
+        opening = asyncio.run_coroutine_threadsafe(self.engine.open_load(plan, ready), self._loop)
         return SyncLoadHandle(self, opening)
 
     def start_save(
-        self, requests: Sequence[Request], timeout: float | None = None
+        self, requests: Sequence[BlockRequest | tuple[Any, Any]], timeout: float | None = None
     ) -> SyncSaveHandle:
         """Start saving a batch; returns without waiting for the store, like ``start_load``:
         the requests are checked here, the pool's session opens on the loop while the caller
@@ -134,9 +135,8 @@ class SyncTransferEngine:
         timeout = check_timeout(timeout)
         if self._closed:
             raise ClosedError("SyncTransferEngine")
-        self.engine._check_open()
-        plan = self.engine._plan(requests, load=False)
-        opening = asyncio.run_coroutine_threadsafe(self.engine._open_save(plan), self._loop)
+        plan = self.engine.plan(requests, load=False)
+        opening = asyncio.run_coroutine_threadsafe(self.engine.open_save(plan), self._loop)
         return SyncSaveHandle(self, opening, timeout)
 
     def stats(self) -> EngineStats:
@@ -150,7 +150,7 @@ class SyncTransferEngine:
             if self._closed:
                 return
             cfg = self.engine.config
-            limit = _STRAGGLER_GRACE * cfg.copy_timeout_s + 2 * cfg.op_timeout_s
+            limit = STRAGGLER_GRACE * cfg.copy_timeout_s + 2 * cfg.op_timeout_s
             try:
                 self._call(self.engine.close(), limit, "close")
             finally:
@@ -310,7 +310,7 @@ class SyncLoadHandle(_Opening[LoadHandle]):
         timeout = check_timeout(timeout)
         limit = self._owner._timeout if timeout is None else timeout
         h = self._opened(limit)
-        layer = h._engine.layout.check_layer(layer)
+        layer = self._owner.layout.check_layer(layer)
         loop = self._owner._loop
         if layer > self._passed + 1:  # layers skipped: they must not hold the window shut
             loop.call_soon_threadsafe(h._consume, layer - 1)
@@ -326,7 +326,7 @@ class SyncLoadHandle(_Opening[LoadHandle]):
         self._passed = max(self._passed, layer)
         if h._closed:
             raise ClosedError("LoadHandle")
-        h._engine._device.order_after(h.loaded_tokens[layer])  # the caller's stream, after it
+        self._owner.engine.device.order_after(h.loaded_tokens[layer])  # the caller's stream
 
 
 class SyncSaveHandle(_Opening[SaveHandle]):
@@ -346,7 +346,7 @@ class SyncSaveHandle(_Opening[SaveHandle]):
             begun = trace.now()
         h = self._opened(timeout)
         layer, limit = h._claim(layer, timeout)
-        token = h._engine._device.layer_written(layer)  # on the caller's thread (its stream)
+        token = self._owner.engine.device.layer_written(layer)  # the caller's thread, stream
         if not h._backlog.take_blocking(limit):
             h._unclaim(layer, limit)
         if trace.ENABLED:

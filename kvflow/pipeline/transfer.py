@@ -26,7 +26,7 @@ import logging
 import threading
 from collections.abc import Awaitable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,20 +35,16 @@ from kvflow._validate import check_timeout
 from kvflow.errors import KVFlowError, TransferTimeoutError
 from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
 from kvflow.pipeline.batch import BatchPlan
+from kvflow.pipeline.runtime import STRAGGLER_GRACE, Runtime
 from kvflow.pipeline.waits import event_within, future_within
 from kvflow.results import ChunkStatus, TransferResult
 from kvflow.stores.base import Direction, ReadSession, WriteSession
-
-if TYPE_CHECKING:
-    from kvflow.pipeline.engine import TransferEngine
 
 __all__ = ["BatchTransfer"]
 
 log = logging.getLogger("kvflow")
 H = TypeVar("H", bound="BatchTransfer")
 T = TypeVar("T")
-
-_STRAGGLER_GRACE = 10.0  # x copy_timeout_s: how long a late copy may hold its slot or lease
 
 
 class BatchTransfer:
@@ -59,23 +55,23 @@ class BatchTransfer:
 
     def __init__(
         self,
-        engine: TransferEngine,
+        runtime: Runtime,
         plan: BatchPlan,
         session: ReadSession | WriteSession | None,
         active: np.ndarray,
         status: np.ndarray,
     ) -> None:
-        self._engine = engine
+        self._runtime = runtime
         self._loop = asyncio.get_running_loop()
         self._plan = plan
         self._session = session
         self._active = active  # batch chunk indices that are copied
         self._status = status  # per batch chunk, final unless in `active`
         self._failed = np.zeros(active.shape[0], dtype=bool)  # per active chunk
-        cfg = engine.config
+        cfg = runtime.config
         self._addresses = (
             BatchAddresses(
-                engine.layout,
+                runtime.layout,
                 plan.chunk_block_ids(active),
                 session.addrs[active],
                 cfg.chunk_blocks,
@@ -84,7 +80,7 @@ class BatchTransfer:
             if session is not None and active.size
             else None
         )
-        n = engine.layout.num_layers
+        n = runtime.layout.num_layers
         self._events = [asyncio.Event() for _ in range(n)]
         self.layer_events = [threading.Event() for _ in range(n)]
         self.loaded_tokens: list[Any] = [None] * n  # DeviceOps.layer_loaded's token per layer
@@ -135,10 +131,10 @@ class BatchTransfer:
             return
         fn, args = call
         try:
-            await self._engine._meta(fn, *args)
+            await self._runtime.meta(fn, *args)
         except KVFlowError as exc:
             log.warning("kvflow: %s could not end its store session: %s", type(self).__name__, exc)
-            stats = self._engine._stats
+            stats = self._runtime.stats
             stats.store_errors += 1
             ok_before = int((~self._failed).sum())
             moved = self._plan.moved_blocks(self._active[~self._failed])
@@ -150,15 +146,15 @@ class BatchTransfer:
     # -- the stages ---------------------------------------------------------------------------
 
     async def _drive(self) -> None:
-        engine = self._engine
+        rt = self._runtime
         sent: set[int] = set()
         try:
-            for _ in range(engine.layout.num_layers):
+            for _ in range(rt.layout.num_layers):
                 layer, token = await self._next_layer()
                 ranges = self._ranges(layer)
                 future = None
                 if ranges is not None and len(ranges):
-                    copy = engine._copier.submit(self._copy, layer, ranges, token)
+                    copy = rt.copier.submit(self._copy, layer, ranges, token)
                     self._submitted.append(copy)
                     future = asyncio.wrap_future(copy)
                     self._futures.append(future)
@@ -168,7 +164,7 @@ class BatchTransfer:
             log.warning("kvflow: %s stopped: %s", type(self).__name__, exc, exc_info=True)
             self.last_error = exc
             self._failed[:] = True
-            for layer in range(engine.layout.num_layers):
+            for layer in range(rt.layout.num_layers):
                 if layer not in sent:
                     await self._queue.put((layer, None, None))
 
@@ -185,7 +181,7 @@ class BatchTransfer:
 
     def _copy(self, layer: int, ranges: LayerRanges, token: Any) -> np.ndarray:
         """On a copy thread: wait for the device, move the bytes, return failed range indices."""
-        device = self._engine._device
+        device = self._runtime.device
         loading = self.direction == Direction.FROM_POOL
         issued = False
 
@@ -201,7 +197,7 @@ class BatchTransfer:
         if trace.ENABLED:
             start = trace.now()
         with device.copying(self.direction, token, on_issued if loading else None):
-            failed = self._engine.store.batch_copy(
+            failed = self._runtime.store.batch_copy(
                 ranges.pool, ranges.local, ranges.sizes, self.direction
             )
         if trace.ENABLED:
@@ -215,7 +211,7 @@ class BatchTransfer:
         return failed
 
     async def _complete(self) -> None:
-        n = self._engine.layout.num_layers
+        n = self._runtime.layout.num_layers
         finished = np.zeros(n, dtype=bool)
         try:
             for _ in range(n):
@@ -234,14 +230,14 @@ class BatchTransfer:
 
     def _final_status(self) -> None:
         self._status[self._active] = np.where(self._failed, ChunkStatus.FAILED, ChunkStatus.OK)
-        stats = self._engine._stats
+        stats = self._runtime.stats
         stats.failed_chunks += int(self._failed.sum())
         moved = self._plan.moved_blocks(self._active[~self._failed])
         setattr(stats, self._blocks_stat, getattr(stats, self._blocks_stat) + moved)
 
     async def _settle(self, layer: int, ranges: LayerRanges, future: asyncio.Future[Any]) -> None:
-        stats = self._engine._stats
-        timeout = self._engine.config.copy_timeout_s
+        stats = self._runtime.stats
+        timeout = self._runtime.config.copy_timeout_s
         failed_chunks: np.ndarray
         try:
             if await future_within(future, timeout):
@@ -269,7 +265,7 @@ class BatchTransfer:
     async def _finish(self) -> None:
         """Run ``_finish_once`` exactly once, as a task every caller awaits (shielded)."""
         if self._finish_task is None:
-            self._finish_task = self._engine._background(self._finish_once())
+            self._finish_task = self._runtime.background(self._finish_once())
         await asyncio.shield(self._finish_task)
 
     async def _finish_once(self) -> None:
@@ -285,16 +281,16 @@ class BatchTransfer:
         self._settled = True
         unsettled = [f for f in self._futures if not f.done() and f not in self._timed_out]
         if unsettled:  # a closed batch's copies in flight: they normally end in microseconds
-            await asyncio.wait(unsettled, timeout=self._engine.config.copy_timeout_s)
+            await asyncio.wait(unsettled, timeout=self._runtime.config.copy_timeout_s)
         pending = [f for f in self._futures if not f.done()]
         if pending:
             self._publish()
-            self._engine._background(self._release_after(pending))
+            self._runtime.background(self._release_after(pending))
             return
         try:
             await self._release()  # a save's objects are visible before its result is
         finally:
-            self._engine._handles.discard(self)
+            self._runtime.batches.discard(self)
             self._publish()
             self._done.set()
 
@@ -304,7 +300,7 @@ class BatchTransfer:
         self._published.set()  # the result, for other threads: no loop hop to read it
 
     async def _release_after(self, pending: list[asyncio.Future[Any]]) -> None:
-        grace = _STRAGGLER_GRACE * self._engine.config.copy_timeout_s
+        grace = STRAGGLER_GRACE * self._runtime.config.copy_timeout_s
         _, late = await asyncio.wait(pending, timeout=grace)
         if late:
             log.error(
@@ -312,20 +308,20 @@ class BatchTransfer:
                 len(late),
                 grace,
             )
-            self._engine._handles.discard(self)
+            self._runtime.batches.discard(self)
             self._done.set()
             return
         try:
             await self._release()
         finally:
-            self._engine._handles.discard(self)
+            self._runtime.batches.discard(self)
             self._done.set()
 
     # -- public -------------------------------------------------------------------------------
 
     @property
     def num_layers(self) -> int:
-        return self._engine.layout.num_layers
+        return self._runtime.layout.num_layers
 
     def done(self) -> bool:
         """True once the result is known and the store's leases or slots are released."""
@@ -340,7 +336,7 @@ class BatchTransfer:
         """The batch's result, once every layer is done and the store is updated. ``timeout``:
         seconds (finite, >= 0), or None for ``op_timeout_s``."""
         timeout = check_timeout(timeout)
-        timeout = self._engine.config.op_timeout_s if timeout is None else timeout
+        timeout = self._runtime.config.op_timeout_s if timeout is None else timeout
         if not await self._abort_on_cancel(event_within(self._result_ready, timeout)):
             raise TransferTimeoutError(f"{type(self).__name__}.wait", timeout)
         assert self._result is not None
@@ -352,7 +348,7 @@ class BatchTransfer:
             return
         self._closed = True
         if not self._done.is_set():
-            await self._engine._shielded(self._stop())
+            await self._runtime.shielded(self._stop())
 
     async def _stop(self) -> None:
         for task in self._tasks:

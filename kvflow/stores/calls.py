@@ -2,24 +2,23 @@
 
 Native clients (Mooncake's, memcache's) block in C++ with no timeout of their own, and some
 retry forever while their service is away. ``BoundedCalls`` runs each call on a few threads of
-its own and waits at most ``timeout_s``: a hung client costs its caller one timeout
-(``StoreUnavailableError``), never a hang; the binding's own exceptions become ``StoreError``.
+its own and waits at most ``timeout_s`` (a ``BoundedCaller``): a hung client costs its caller
+one timeout (``StoreUnavailableError``), never a hang; the binding's own exceptions become
+``StoreError``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
 
+from kvflow.bounded import BoundedCaller
 from kvflow.errors import StoreError, StoreUnavailableError
 
 __all__ = ["BoundedCalls"]
 
 
-class BoundedCalls:
-    """``call(name, fn, *args)``: ``fn(*args)`` on the pool's threads, waited for at most
+class BoundedCalls(BoundedCaller):
+    """``call(name, fn, *args)``: ``fn(*args)`` on ``threads`` threads, waited for at most
     ``timeout_s``; ``on_timeout`` runs (on the caller's thread) before the error is raised.
     Thread-safe. A call that timed out keeps its thread until it returns."""
 
@@ -30,23 +29,17 @@ class BoundedCalls:
         on_timeout: Callable[[], None] = lambda: None,
         threads: int = 4,
     ) -> None:
+        def timed_out(what: str, wait: float) -> StoreUnavailableError:
+            on_timeout()
+            return StoreUnavailableError(f"{what} did not return within {wait:g} s")
+
+        super().__init__(
+            engine, timeout_s, threads=threads, timeout_error=timed_out, errors=_binding_error
+        )
         self.engine = engine
-        self.timeout_s = timeout_s
-        self._on_timeout = on_timeout
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvflow-{engine.lower()}")
 
-    def call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        future = self._pool.submit(fn, *args)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            self._on_timeout()
-            raise StoreUnavailableError(
-                f"{self.engine} {name} did not return within {self.timeout_s:g} s"
-            ) from None
-        except (RuntimeError, ValueError, TypeError) as exc:  # the binding's own errors
-            raise StoreError(f"{self.engine} {name} failed: {exc}") from exc
 
-    def shutdown(self) -> None:
-        """Stop taking calls; calls still running finish on their threads."""
-        self._pool.shutdown(wait=False)
+def _binding_error(what: str, exc: BaseException) -> StoreError | None:
+    if isinstance(exc, (RuntimeError, ValueError, TypeError)):  # the binding's own errors
+        return StoreError(f"{what} failed: {exc}")
+    return None

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvflow
+from kvflow.abc import Store
 from kvflow.devices import CudaDevice
 from tests.pools import ServedSharedStore, dispose
 
@@ -59,8 +60,8 @@ def _blocks(cache: torch.Tensor, kind: str, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(params=["local", "shared"])
-def store(request: pytest.FixtureRequest) -> Iterator[kvflow.Store]:
-    made: kvflow.Store = (
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    made: Store = (
         kvflow.LocalStore("256MiB") if request.param == "local" else ServedSharedStore(256 << 20)
     )
     yield made
@@ -68,13 +69,13 @@ def store(request: pytest.FixtureRequest) -> Iterator[kvflow.Store]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_layout_round_trips_bit_exact(kind: str, store: kvflow.Store) -> None:
+def test_every_layout_round_trips_bit_exact(kind: str, store: Store) -> None:
     caches, layout = _caches(kind)
     cfg = kvflow.EngineConfig(chunk_blocks=4)
     tokens = np.arange(8 * BS)
     src, dst = list(range(8)), [40, 41, 42, 43, 20, 21, 22, 23]
     with kvflow.SyncTransferEngine(layout, store, cfg) as engine:
-        assert isinstance(engine.engine._device, CudaDevice)
+        assert isinstance(engine.engine.device, CudaDevice)
         torch.cuda.synchronize()
         assert engine.save(tokens, src).ok
         assert engine.load(tokens, dst).ok
@@ -94,7 +95,7 @@ def test_the_host_pools_are_pinned() -> None:
         dispose(shared)
 
 
-def test_a_save_waits_for_the_compute_stream_that_wrote_the_layer(store: kvflow.Store) -> None:
+def test_a_save_waits_for_the_compute_stream_that_wrote_the_layer(store: Store) -> None:
     caches, layout = _caches("blocks")
     cfg = kvflow.EngineConfig(chunk_blocks=4)
     tokens = np.arange(4 * BS)
@@ -113,7 +114,7 @@ def test_a_save_waits_for_the_compute_stream_that_wrote_the_layer(store: kvflow.
 
 
 def test_a_load_orders_the_compute_stream_after_its_copy_without_blocking_the_host(
-    store: kvflow.Store,
+    store: Store,
 ) -> None:
     caches, layout = _caches("kv_split")
     device = CudaDevice("cuda")

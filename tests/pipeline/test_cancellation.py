@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvflow
-from kvflow.stores.base import Direction
+from kvflow.abc import Direction, StoreUsage
 from tests.conftest import make_caches
 from tests.pipeline.wrappers import WrappedStore
 from tests.pools import ARENA_STORE_NAMES, dispose, make_store
@@ -89,20 +89,21 @@ async def cancel(
     assert task in done and task.cancelled()
 
 
-async def released(engine: kvflow.TransferEngine, store: WrappedStore) -> kvflow.StoreUsage:
+async def released(engine: kvflow.TransferEngine, store: WrappedStore) -> StoreUsage:
     """The pool's usage once the engine holds nothing, polled for at most RELEASE_BOUND_S."""
     deadline = time.monotonic() + RELEASE_BOUND_S
     while True:
         usage = store.usage()
-        idle = not engine._handles and not engine._tasks and engine._copier.in_flight == 0
+        rt = engine._runtime
+        idle = not rt.batches and not rt.tasks and rt.copier.in_flight == 0
         if (idle and usage.leases == 0 and usage.pending_writes == 0) or (
             time.monotonic() > deadline
         ):
             break
         await asyncio.sleep(0.01)
     assert (usage.leases, usage.pending_writes, usage.open_sessions) == (0, 0, 0), usage
-    assert not engine._handles and not engine._tasks, repr(engine)
-    assert engine._copier.in_flight == 0, repr(engine)
+    assert not engine._runtime.batches and not engine._runtime.tasks, repr(engine)
+    assert engine._runtime.copier.in_flight == 0, repr(engine)
     return usage
 
 
@@ -280,7 +281,7 @@ async def test_leaving_async_with_early_aborts_the_batch(
 # -- the blocking facade: a wait that times out leaves the batch going; leaving `with` ends it
 
 
-def sync_released(engine: kvflow.SyncTransferEngine, store: WrappedStore) -> kvflow.StoreUsage:
+def sync_released(engine: kvflow.SyncTransferEngine, store: WrappedStore) -> StoreUsage:
     """``released`` for a SyncTransferEngine, from the caller's thread."""
     return asyncio.run_coroutine_threadsafe(released(engine.engine, store), engine._loop).result(
         RELEASE_BOUND_S + 1

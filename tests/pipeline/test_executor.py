@@ -26,7 +26,7 @@ async def test_copies_run_on_threads_pinned_to_copy_cpus() -> None:
     cfg = kvflow.EngineConfig(chunk_blocks=1, copy_threads=2, copy_cpus=target)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         await engine.save(np.arange(32), [0, 1])
-        assert engine._copier.pinned >= 1
+        assert engine._runtime.copier.pinned >= 1
     assert seen == {target}
     assert tuple(sorted(os.sched_getaffinity(0))) == tuple(CPUS), "the caller was re-pinned"
     store.close()

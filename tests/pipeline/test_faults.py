@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import kvflow
-from kvflow.stores.base import Direction
+from kvflow.abc import Direction, ReadSession, Store, StoreUsage, WriteSession
+from kvflow.testing import InstrumentedStore
 from tests.conftest import make_caches
 from tests.pipeline.wrappers import WrappedStore
 
@@ -34,10 +35,10 @@ def setup():
     store.close()
 
 
-async def settle(engine: kvflow.TransferEngine, store: WrappedStore) -> kvflow.StoreUsage:
+async def settle(engine: kvflow.TransferEngine, store: WrappedStore) -> StoreUsage:
     """Wait (bounded) until no batch is open, then return the pool's usage."""
     for _ in range(200):
-        if not engine._handles and not engine._tasks:
+        if not engine._runtime.batches and not engine._runtime.tasks:
             break
         await asyncio.sleep(0.01)
     return store.usage()
@@ -69,7 +70,7 @@ async def test_failed_copy_fails_its_whole_chunk_on_load(setup) -> None:
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         tokens = tokens_for(3)
         assert (await engine.save(tokens, np.arange(6))).ok
-        session = store.inner.open_read(engine._plan([(tokens, np.arange(6))], load=True).keys)
+        session = store.inner.open_read(engine.plan([(tokens, np.arange(6))], load=True).keys)
         second_chunk_base = int(session.addrs[1])
         store.inner.close_read(session)
         fail_chunk_on_layer(
@@ -111,7 +112,7 @@ async def test_failed_copy_on_save_never_commits_the_chunk(setup) -> None:
         store.before_copy = hook
         result = await engine.save(tokens, np.arange(6))
         assert list(result.requests[0].chunk_status) == [1, 0, 0]
-        keys = engine._plan([(tokens, np.arange(6))], load=False).keys
+        keys = engine.plan([(tokens, np.arange(6))], load=False).keys
         assert store.inner.lookup(keys).tolist() == [False, True, True]
         assert await engine.lookup(tokens) == 0  # the prefix is broken at chunk 0
         usage = await settle(engine, store)
@@ -294,20 +295,20 @@ async def test_failed_chunk_is_not_copied_again_in_later_layers(setup) -> None:
             assert torch.equal(c[8:10].view(torch.uint8), b.view(torch.uint8))
 
 
-class _LosesSessions(kvflow.InstrumentedStore):
+class _LosesSessions(InstrumentedStore):
     """A real LocalStore whose commit or release reports that the store lost the session (as a
     SharedStore does when its server went away or a lease ran past its limit)."""
 
-    def __init__(self, inner: kvflow.Store, fail: str) -> None:
+    def __init__(self, inner: Store, fail: str) -> None:
         super().__init__(inner)
         self.fail = fail
 
-    def finish_write(self, session: kvflow.WriteSession, ok: np.ndarray) -> None:
+    def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
         super().finish_write(session, np.zeros_like(ok) if self.fail == "finish_write" else ok)
         if self.fail == "finish_write":
             raise kvflow.StoreUnavailableError("the pool went away before the commit")
 
-    def close_read(self, session: kvflow.ReadSession) -> None:
+    def close_read(self, session: ReadSession) -> None:
         super().close_read(session)
         if self.fail == "close_read":
             raise kvflow.StoreError("the leases ran past their time limit", 3)

@@ -38,16 +38,16 @@ async def test_thousands_of_operations_leak_nothing(store_name: str) -> None:
             await handle.wait_layer(0)
             await handle.aclose()
     for _ in range(100):
-        if not engine._handles and not engine._tasks:
+        if not engine._runtime.batches and not engine._runtime.tasks:
             break
         await asyncio.sleep(0.01)
     usage = store.usage()
     assert (usage.leases, usage.pending_writes, usage.open_sessions) == (0, 0, 0)
     assert usage.objects > 0 and usage.used == usage.objects * layout.object_bytes(2)
     assert usage.hits > 100 and usage.evictions > 100
-    assert not engine._handles
+    assert not engine._runtime.batches
     assert len(asyncio.all_tasks()) == tasks_before
-    assert engine._copier.in_flight == 0
+    assert engine._runtime.copier.in_flight == 0
     await engine.close()
     dispose(store)
     for _ in range(100):

@@ -28,10 +28,10 @@ def parts():
 
 async def settle(engine: kvflow.TransferEngine) -> None:
     for _ in range(300):
-        if not engine._handles and not engine._tasks:
+        if not engine._runtime.batches and not engine._runtime.tasks:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"batches still open: {engine._handles}")
+    raise AssertionError(f"batches still open: {engine._runtime.batches}")
 
 
 async def test_a_layer_written_twice_at_once_is_refused_and_nothing_is_torn(parts) -> None:
@@ -95,7 +95,7 @@ async def test_a_driver_that_fails_fails_the_batch_instead_of_hanging(parts) -> 
         def broken(*a):
             raise RuntimeError("executor is gone")
 
-        e._copier.submit = broken  # type: ignore[method-assign]
+        e._runtime.copier.submit = broken  # type: ignore[method-assign]
         result = await asyncio.wait_for(e.load(np.arange(64), np.arange(10, 14)), 5)
         assert result.count(kvflow.ChunkStatus.FAILED) == 2
         await settle(e)

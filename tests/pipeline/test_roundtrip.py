@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvflow
+from kvflow.abc import SupportsUsage
 from tests.pools import STORE_NAMES, dispose, long_lived_store, make_store, release_store
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
@@ -87,7 +88,7 @@ async def _roundtrip(
                 blocks = rng.permutation(num_blocks)[:n_blocks]
                 result = await saver.save(tokens, blocks)
                 assert result.ok
-                plan = saver._plan([(tokens, blocks)], load=False)
+                plan = saver.plan([(tokens, blocks)], load=False)
                 for c, key in enumerate(plan.keys):
                     saved_from.setdefault(key, blocks[c * chunk_blocks : (c + 1) * chunk_blocks])
             # load every prompt into distinct destination blocks and compare with the source
@@ -99,7 +100,7 @@ async def _roundtrip(
                 targets = rng.permutation(num_blocks)[:n_blocks]
                 result = await loader.load(tokens[:hit], targets)
                 assert result.ok, result
-                plan = loader._plan([(tokens[:hit], targets)], load=True)
+                plan = loader.plan([(tokens[:hit], targets)], load=True)
                 for c, key in enumerate(plan.keys):
                     origin = saved_from[key]
                     here = targets[c * chunk_blocks : (c + 1) * chunk_blocks]
@@ -151,7 +152,7 @@ def test_shared_prefix_is_stored_once(caches, layout, store_name):
             assert ra.count(kvflow.ChunkStatus.OK) == 3
             assert rb.count(kvflow.ChunkStatus.EXISTS) == 2
             assert rb.count(kvflow.ChunkStatus.OK) == 1
-            if isinstance(store, kvflow.SupportsUsage):
+            if isinstance(store, SupportsUsage):
                 assert store.usage().objects == 4
         dispose(store)
 
