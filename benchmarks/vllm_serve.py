@@ -21,9 +21,11 @@ that share a system prompt, each turn carrying the previous turns and their answ
 conversations at once. Greedy, ``ignore_eos``, fixed output lengths. Every server starts once;
 each repeat draws new prompts (its own seed) and runs the rows in a balanced order. Per row and
 workload: mean, median and p99 TTFT over all repeats' requests, output throughput (mean over
-repeats), tokens the connector provided (``vllm:external_prefix_cache_hits_total``), whether
-each repeat's outputs equal the ``prefix_cache`` row's, and per-repeat ratios (median over
-repeats) of mean TTFT against ``mooncake_store_connector`` and against ``prefix_cache``.
+repeats), tokens the connector provided (``vllm:external_prefix_cache_hits_total``), per repeat
+how many requests gave other tokens than the ``prefix_cache`` row and than the
+``mooncake_store_connector`` row on the same prompt, and per-repeat ratios (median over
+repeats) of mean TTFT, p99 TTFT and throughput against ``mooncake_store_connector`` and
+against ``prefix_cache``.
 """
 
 from __future__ import annotations
@@ -411,28 +413,47 @@ def summarize(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
                 "output_throughput": statistics.mean(r["output_throughput"] for r in runs),
                 "hit_tokens": sum(r["hit_tokens"] for r in runs),
                 "failed": sum(r["failed"] for r in runs),
-                "same_outputs_as_prefix_cache": same_outputs(rows, row),
+                "outputs_differing_from_prefix_cache": differing(rows, row, "prefix_cache"),
+                "outputs_differing_from_mooncake_store_connector": differing(
+                    rows, row, "mooncake_store_connector"
+                ),
             }
             for ref in ("mooncake_store_connector", "prefix_cache"):
                 if ref in rows and ref != row:
-                    table[row][f"mean_ttft_over_{ref}"] = paired_ratio(runs, rows[ref])
+                    for what, measure in RATIOS.items():
+                        ratio = paired_ratio(runs, rows[ref], measure)
+                        table[row][f"{what}_over_{ref}"] = ratio
         out[workload] = table
     return out
 
 
-def same_outputs(rows: dict[str, list[dict[str, Any]]], row: str) -> list[bool] | None:
-    """Per repeat: whether ``row``'s outputs equal the ``prefix_cache`` row's."""
-    ref = rows.get("prefix_cache")
+def differing(rows: dict[str, list[dict[str, Any]]], row: str, name: str) -> list[int] | None:
+    """Per repeat: how many of ``row``'s requests gave other tokens than row ``name``'s on the
+    same prompt."""
+    ref = rows.get(name)
     if ref is None:
         return None
-    return [a["outputs"] == b["outputs"] for a, b in zip(rows[row], ref, strict=False)]
+    return [
+        sum(x != y for x, y in zip(a["outputs"], b["outputs"], strict=False))
+        + abs(len(a["outputs"]) - len(b["outputs"]))
+        for a, b in zip(rows[row], ref, strict=False)
+    ]
 
 
-def paired_ratio(runs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> float | None:
-    """Mean TTFT over the reference's, per repeat (run minutes apart at most), median over
-    the repeats."""
+RATIOS = {  # per repeat, a row's figure over the reference row's
+    "mean_ttft": lambda r: statistics.mean(r["ttfts"]),
+    "p99_ttft": lambda r: float(np.percentile(r["ttfts"], 99)),
+    "throughput": lambda r: r["output_throughput"],
+}
+
+
+def paired_ratio(
+    runs: list[dict[str, Any]], ref: list[dict[str, Any]], measure: Any
+) -> float | None:
+    """``measure`` of each repeat over the reference's in the same repeat (run minutes apart
+    at most), median over the repeats."""
     pairs = [
-        statistics.mean(a["ttfts"]) / statistics.mean(b["ttfts"])
+        measure(a) / measure(b)
         for a, b in zip(runs, ref, strict=False)
         if a["ttfts"] and b["ttfts"]
     ]
@@ -443,7 +464,8 @@ def print_table(summary: dict[str, Any]) -> None:
     for workload, table in summary.items():
         print(
             f"{workload:26} {'mean ms':>9} {'median':>9} {'p99':>9} {'out tok/s':>10} "
-            f"{'hit tok':>9} {'/mooncake':>9} {'/prefix':>8} same"
+            f"{'hit tok':>9} {'mean/msc':>9} {'p99/msc':>8} {'tput/msc':>8} {'mean/pc':>8} "
+            "differing from pc, msc"
         )
         for row, r in table.items():
 
@@ -455,7 +477,11 @@ def print_table(summary: dict[str, Any]) -> None:
                 f"{row:26} {r['mean_ttft_ms']:9.1f} {r['median_ttft_ms']:9.1f} "
                 f"{r['p99_ttft_ms']:9.1f} {r['output_throughput']:10.1f} {r['hit_tokens']:9.0f} "
                 f"{ratio('mean_ttft_over_mooncake_store_connector'):>9} "
-                f"{ratio('mean_ttft_over_prefix_cache'):>8} {r['same_outputs_as_prefix_cache']}"
+                f"{ratio('p99_ttft_over_mooncake_store_connector'):>8} "
+                f"{ratio('throughput_over_mooncake_store_connector'):>8} "
+                f"{ratio('mean_ttft_over_prefix_cache'):>8} "
+                f"{r['outputs_differing_from_prefix_cache']} "
+                f"{r['outputs_differing_from_mooncake_store_connector']}"
             )
         print()
 
@@ -490,7 +516,19 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     parser.add_argument("--json", default=str(OUT / "vllm_serve.json"))
     parser.add_argument("--plot", default=None, help="a PNG of the TTFTs (needs matplotlib)")
+    parser.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="run nothing: summarize (and --plot) the samples of an earlier run's JSON, e.g. "
+        "with an interpreter that has matplotlib",
+    )
     args = parser.parse_args()
+    if args.from_json:
+        summary = summarize(json.loads(Path(args.from_json).read_text())["samples"])
+        print_table(summary)
+        if args.plot:
+            print(plot(summary, args.plot) or f"plot: {args.plot}", file=sys.stderr)
+        return 0
     rows = args.rows.split(",")
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
