@@ -15,10 +15,10 @@ dimension is found by ``num_blocks``:
 * a tuple of ``[num_blocks, ...]`` tensors (vllm-ascend's ``(key_cache, value_cache)`` on NPUs,
   each ``[num_blocks, block_size, num_kv_heads, head_size]``): one part per tensor.
 
-Only ``vllm_cache_shape`` imports vLLM (when called). The scheduler has no tensors, so the keys'
-namespace comes from what both processes know: the cache spec (block size, heads, head size,
-dtype, bytes per block), the layer count and the tensor-parallel size. The worker checks that
-its tensors have the bytes per block the spec says.
+Only ``vllm_cache_shape`` and ``CacheGroup.from_vllm`` import vLLM (when called). The scheduler
+has no tensors, so the keys' namespace comes from what both processes know (``CacheGroup``): the
+cache spec (block size, heads, head size, dtype, bytes per block), the layer count and the
+tensor-parallel size. The worker checks that its tensors have the bytes per block the spec says.
 """
 
 from __future__ import annotations
@@ -26,14 +26,77 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvflow.errors import LayoutError
+from kvflow.keys import KeySpace
 from kvflow.layout import KVLayout
 
-__all__ = ["cache_layout", "layer_backend", "spec_fingerprint", "vllm_cache_shape"]
+if TYPE_CHECKING:
+    from kvflow.integrations.vllm.config import ConnectorConfig
+
+__all__ = ["CacheGroup", "cache_layout", "layer_backend", "spec_fingerprint", "vllm_cache_shape"]
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """vLLM's one KV cache group as both of its processes see it, and the pool objects' keys
+    derived from it: a chunk is ``chunk_blocks`` blocks of ``block_size`` tokens, all
+    ``num_layers`` layers, one object per tensor-parallel rank (with MLA every rank holds the
+    same KV: one object, rank 0's)."""
+
+    spec: Any  # vLLM's KVCacheSpec of the group
+    block_size: int
+    num_blocks: int
+    num_layers: int
+    mla: bool
+    tp_size: int
+    chunk_blocks: int
+    model: str  # the model part of every key
+    fingerprint: str  # spec_fingerprint
+
+    @classmethod
+    def from_vllm(
+        cls, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig
+    ) -> CacheGroup:
+        """From vLLM's configs (``support.check_supported`` has accepted them). Imports vLLM."""
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        group = kv_cache_config.kv_cache_groups[0]
+        spec = group.kv_cache_spec
+        block_size = int(spec.block_size)
+        num_layers = len(group.layer_names)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        model = vllm_config.model_config
+        revision = f"@{model.revision}" if getattr(model, "revision", None) else ""
+        return cls(
+            spec=spec,
+            block_size=block_size,
+            num_blocks=int(kv_cache_config.num_blocks),
+            num_layers=num_layers,
+            mla=isinstance(spec, MLAAttentionSpec),
+            tp_size=tp_size,
+            chunk_blocks=config.chunk_blocks_for(block_size),
+            model=config.model or f"{model.model}{revision}",
+            fingerprint=spec_fingerprint(spec, num_layers=num_layers, tp_size=tp_size),
+        )
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_blocks * self.block_size
+
+    def keyspace(self, rank: int) -> KeySpace:
+        """The keys of ``rank``'s objects."""
+        return KeySpace.for_layout(
+            model=self.model,
+            layout_fingerprint=self.fingerprint,
+            chunk_blocks=self.chunk_blocks,
+            num_layers=self.num_layers,
+            rank=rank,
+        )
 
 
 def cache_layout(

@@ -9,12 +9,16 @@ workers' and the scheduler's (``aggregate``), ships the ``data`` dict to the fro
 connector's ``build_prom_metrics``. The names are vLLM's style (``vllm:kvflow_...``, with vLLM's
 ``model_name`` and ``engine`` labels); docs/vllm.md lists them.
 
-Concurrency: a stats object is filled under its owner's lock (the connector's); vLLM calls
-``aggregate``, ``reduce`` and ``observe`` from one thread.
+Concurrency: each role fills its stats under the lock of its ``StatsInterval``, which vLLM's
+``get_kv_connector_stats`` takes it from; vLLM calls ``aggregate``, ``reduce`` and ``observe``
+from one thread.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +31,13 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["COUNTERS", "LAYER_WAIT_BUCKETS", "KVFlowConnectorStats", "KVFlowPromMetrics"]
+__all__ = [
+    "COUNTERS",
+    "LAYER_WAIT_BUCKETS",
+    "KVFlowConnectorStats",
+    "KVFlowPromMetrics",
+    "StatsInterval",
+]
 
 # summed counters: (stats field, Prometheus name without _total, help)
 COUNTERS = (
@@ -95,7 +105,7 @@ class KVFlowConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not any(self.data[name] for name in ("loads", "saves", "lookups"))
 
-    # -- recording (the connector's calls, under its lock) -----------------------------------
+    # -- recording (the connector's calls, in its StatsInterval's update) --------------------
 
     def record_lookup(self, asked_tokens: int, hit_tokens: int) -> None:
         self.data["lookups"] += 1
@@ -117,6 +127,28 @@ class KVFlowConnectorStats(KVConnectorStats):
         room = MAX_SAMPLES - len(kept)
         if room > 0:
             kept.extend(list(samples)[:room])
+
+
+class StatsInterval:
+    """One role's ``KVFlowConnectorStats`` since vLLM last took them: filled in ``update()``
+    blocks, under a lock, and handed over (and replaced) by ``take()``. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = KVFlowConnectorStats()
+
+    @contextmanager
+    def update(self) -> Iterator[KVFlowConnectorStats]:
+        with self._lock:
+            yield self._stats
+
+    def take(self) -> KVFlowConnectorStats | None:
+        """The interval's stats, None when nothing was counted; a new interval begins."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KVFlowConnectorStats()
+        return out
 
 
 class KVFlowPromMetrics(KVConnectorPromMetrics):

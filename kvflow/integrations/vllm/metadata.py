@@ -1,0 +1,25 @@
+"""KVFlowConnectorMetadata: one step's plan, from the scheduler process to every worker.
+
+vLLM pickles it into the step's ``SchedulerOutput`` (the scheduler's ``build_connector_meta``)
+and binds it in each worker before the forward (``bind_connector_metadata``). It holds only
+plain data: the planner's ``Transfer`` records, the same on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvflow.integrations.vllm.planner import Transfer
+
+__all__ = ["KVFlowConnectorMetadata"]
+
+
+@dataclass
+class KVFlowConnectorMetadata(KVConnectorMetadata):
+    """One step's plan: the chunks to load into which blocks (``loads``), and the chunks this
+    step completes, to save from which blocks (``saves``)."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)

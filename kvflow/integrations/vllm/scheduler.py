@@ -1,0 +1,149 @@
+"""KVFlowConnectorScheduler: the connector's scheduler side, in vLLM's engine-core process.
+
+It decides hits and plans each step's transfers, and moves no bytes: per waiting request, one
+batched pool lookup of the request's own block hashes, for every tensor-parallel rank at once
+(``get_num_new_matched_tokens``); per step, the loads and saves of every scheduled request
+(``build_connector_meta``), planned by ``planner.ChunkPlanner``, for the workers.
+
+Concurrency: vLLM calls it from its scheduler loop, one thread. A lookup runs on a helper
+thread and is waited for at most ``lookup_timeout_s``: a lookup that fails or times out is a
+miss, and while one that timed out still runs the next ones miss at once (no second thread).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvflow import trace
+from kvflow.bounded import BoundedCaller
+from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
+from kvflow.integrations.vllm.metrics import KVFlowConnectorStats, StatsInterval
+from kvflow.integrations.vllm.planner import ChunkPlanner
+from kvflow.integrations.vllm.pools import open_pool
+from kvflow.stores.base import SupportsPrefixContext
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kvflow.integrations.vllm.caches import CacheGroup
+    from kvflow.integrations.vllm.config import ConnectorConfig
+
+__all__ = ["KVFlowConnectorScheduler"]
+
+log = logging.getLogger("kvflow")
+
+
+class KVFlowConnectorScheduler:
+    """The scheduler side of ``KVFlowConnector``: the pool lookups and the step plans."""
+
+    def __init__(self, config: ConnectorConfig, group: CacheGroup) -> None:
+        self.config = config
+        self.group = group
+        self._store = open_pool(config, scheduler=True)
+        ranks = [0] if group.mla else list(range(group.tp_size))
+        self._spaces = [group.keyspace(r) for r in ranks]
+        self._planner = ChunkPlanner(
+            block_size=group.block_size,
+            chunk_blocks=group.chunk_blocks,
+            lookup=self._lookup,
+            load=config.load,
+            save=config.save,
+            # twice the chunks vLLM's cache holds: those it can serve, and recent others
+            seen_limit=2 * group.num_blocks // group.chunk_blocks,
+        )
+        self._asked = 0  # chunks looked up, so far
+        # one helper thread; while a lookup that timed out still runs, the next ones miss at once
+        self._lookups = BoundedCaller("pool lookup", config.lookup_timeout_s, refuse_late=True)
+        self._stats = StatsInterval()
+
+    def _lookup(self, hashes: list[bytes], preceding: list[bytes]) -> np.ndarray:
+        """Per chunk: every rank's object stored. One store call for all ranks, bounded by
+        ``lookup_timeout_s``; a failing pool is a miss. ``preceding``: the chunks before
+        (vLLM's cache holds them), named to a pool that orders eviction by prefix."""
+        if self._store is None or not hashes:
+            return np.zeros(len(hashes), dtype=bool)
+        keys = [k for space in self._spaces for k in space.keys(hashes)]
+        lookup = self._store.lookup
+        if preceding and isinstance(self._store, SupportsPrefixContext):
+            context = [k for space in self._spaces for k in space.keys(preceding)]
+            lookup = functools.partial(self._store.lookup_with_context, context=context)
+        self._asked += len(hashes)
+        begun = trace.now() if trace.ENABLED else 0
+        try:
+            found = self._lookups.call("", lookup, keys)
+        except Exception as exc:  # any failure of the pool is a miss, never the scheduler's
+            with self._stats.update() as stats:
+                stats.data["lookup_errors"] += 1
+            log.warning("kvflow: pool lookup failed, counted as a miss: %r", exc)
+            return np.zeros(len(hashes), dtype=bool)
+        finally:
+            if begun:
+                trace.complete("lookup", begun, "scheduler", chunks=len(hashes))
+        found = np.asarray(found, dtype=bool).reshape(len(self._spaces), len(hashes))
+        return np.asarray(found.all(axis=0), dtype=bool)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        asked = self._asked
+        tokens = self._planner.matched_tokens(
+            request.request_id,
+            lambda: request.block_hashes,
+            request.num_prompt_tokens,
+            num_computed_tokens,
+        )
+        if self._asked > asked:  # the pool was asked
+            with self._stats.update() as stats:
+                stats.record_lookup((self._asked - asked) * self.group.chunk_tokens, tokens)
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        self._planner.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFlowConnectorMetadata:
+        begun = trace.now() if trace.ENABLED else 0
+        meta = self._build_meta(scheduler_output)
+        if begun:
+            loads, saves = len(meta.loads), len(meta.saves)
+            trace.complete("build_connector_meta", begun, "scheduler", loads=loads, saves=saves)
+        return meta
+
+    def _build_meta(self, scheduler_output: SchedulerOutput) -> KVFlowConnectorMetadata:
+        n = scheduler_output.num_scheduled_tokens
+        scheduled: list[tuple[str, Any, bool, int, int]] = [
+            (r.req_id, r.block_ids[0], True, r.num_computed_tokens, n.get(r.req_id, 0))
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            scheduled.append(
+                (
+                    req_id,
+                    new_ids[0] if new_ids is not None else None,
+                    resumed,
+                    cached.num_computed_tokens[i],
+                    n.get(req_id, 0),
+                )
+            )
+        loads, saves = self._planner.step(scheduled)
+        return KVFlowConnectorMetadata(loads=loads, saves=saves)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._planner.finished(request.request_id)
+        return False, None  # saves end within their step (wait_for_save)
+
+    def take_stats(self) -> KVFlowConnectorStats | None:
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        self._lookups.shutdown()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
