@@ -71,7 +71,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     async with kvflow.TransferEngine(layout, store, config) as engine:
         t0 = time.perf_counter()
-        async with await engine.start_save([(tokens, src)]) as save:
+        async with await engine.start_save([kvflow.BlockRequest(tokens, src)]) as save:
             for layer in range(layout.num_layers):  # as the forward pass finishes each layer
                 await save.layer_written(layer)
             saved = await save.wait()
@@ -79,7 +79,8 @@ async def main(args: argparse.Namespace) -> None:
 
         hit = await engine.lookup(tokens)
         t0 = time.perf_counter()
-        async with await engine.start_load([(tokens[:hit], dst[: hit // args.block_size])]) as load:
+        request = kvflow.BlockRequest(tokens[:hit], dst[: hit // args.block_size])
+        async with await engine.start_load([request]) as load:
             for layer in range(layout.num_layers):  # as attention reaches each layer
                 await load.wait_layer(layer)
             loaded = await load.wait()

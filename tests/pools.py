@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 import kvflow
+from kvflow.abc import Store, SupportsUsage
+from kvflow.config import parse_size
 from kvflow.pool import PoolConfig, PoolServer
 from kvflow.stores.mooncake.master import MooncakeMaster, find_master_binary
 from tests.memcache.standin import MemcacheStandIn
@@ -66,7 +68,7 @@ class ServedSharedStore(kvflow.SharedStore):
 _SERVED: list[ServedSharedStore] = []
 
 
-def dispose(store: kvflow.Store) -> None:
+def dispose(store: Store) -> None:
     """Close ``store`` and stop the server behind it, if the test started one."""
     store.close()
     if isinstance(store, ServedSharedStore):
@@ -94,10 +96,10 @@ def mooncake_master() -> MooncakeMaster:
     return _MASTER
 
 
-_LONG_LIVED: dict[str, kvflow.Store] = {}
+_LONG_LIVED: dict[str, Store] = {}
 
 
-def long_lived_store(name: str, capacity: int | str) -> kvflow.Store:
+def long_lived_store(name: str, capacity: int | str) -> Store:
     """A store for many short runs in one test (hypothesis examples): a fresh one for the
     in-process pools; for Mooncake one client kept for the test session (a client takes
     seconds to close), so every run must use keys of its own (a model name of its own)."""
@@ -109,7 +111,7 @@ def long_lived_store(name: str, capacity: int | str) -> kvflow.Store:
     return store
 
 
-def release_store(name: str, store: kvflow.Store) -> None:
+def release_store(name: str, store: Store) -> None:
     """The end of one run on a ``long_lived_store``."""
     if name != "mooncake":
         dispose(store)
@@ -171,7 +173,7 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-StoreFactory = Callable[[int], kvflow.Store]
+StoreFactory = Callable[[int], Store]
 
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "local": lambda capacity: kvflow.LocalStore(capacity),
@@ -190,11 +192,11 @@ ARENA_STORE_NAMES = [name for name in STORE_NAMES if name not in ("mooncake", "m
 SESSION_FIELDS = ("pending_writes", "leases", "open_sessions")
 
 
-def reported_usage(store: kvflow.Store) -> dict[str, int]:
+def reported_usage(store: Store) -> dict[str, int]:
     """The StoreUsage fields a store reports: all of them where it supports usage(), else the
     session counts of its own ``stats()`` (MooncakeStore: occupancy is the master's)."""
     inner = getattr(store, "inner", store)
-    if isinstance(inner, kvflow.SupportsUsage):
+    if isinstance(inner, SupportsUsage):
         return dataclasses.asdict(inner.usage())
     stats = getattr(inner, "stats", None)
     assert stats is not None, f"{type(inner).__name__} reports neither usage() nor stats()"
@@ -202,11 +204,11 @@ def reported_usage(store: kvflow.Store) -> dict[str, int]:
     return {name: int(getattr(counts, name)) for name in SESSION_FIELDS}
 
 
-def open_sessions(store: kvflow.Store) -> int:
+def open_sessions(store: Store) -> int:
     """Sessions the store holds open, however it reports them."""
     return reported_usage(store)["open_sessions"]
 
 
-def make_store(name: str, capacity: int | str) -> kvflow.Store:
+def make_store(name: str, capacity: int | str) -> Store:
     """A fresh store from the registry; the caller closes it."""
-    return STORE_FACTORIES[name](kvflow.parse_size(capacity))
+    return STORE_FACTORIES[name](parse_size(capacity))

@@ -44,7 +44,7 @@ from kvflow.layout import KVLayout
 from kvflow.pipeline.engine import TransferEngine
 from kvflow.pool.store import SharedStore
 from kvflow.stores.base import Direction, Store
-from kvflow.stores.instrumented import InstrumentedStore
+from kvflow.testing import InstrumentedStore
 
 __all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 

@@ -10,15 +10,12 @@ from kvflow.stores.base import (
     WriteSession,
     WriteStatus,
 )
-from kvflow.stores.instrumented import CopyRecord, InstrumentedStore
 from kvflow.stores.local import LocalStore
 from kvflow.stores.memcache import MemcacheConfig, MemcacheStats, MemcacheStore
 from kvflow.stores.mooncake import MooncakeConfig, MooncakeMaster, MooncakeStats, MooncakeStore
 
 __all__ = [
-    "CopyRecord",
     "Direction",
-    "InstrumentedStore",
     "LocalStore",
     "MemcacheConfig",
     "MemcacheStats",

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow import ChunkStatus, Direction, WriteStatus
+from kvflow import ChunkStatus
+from kvflow.abc import Direction, WriteStatus
 from kvflow.stores.memcache.client import COPY_G2H, COPY_G2L, COPY_H2G, COPY_L2G, READABLE
 from tests.memcache.conftest import CHUNK, chunk_keys, layout_of, same_blocks, tokens
 from tests.memcache.standin import MemcacheStandIn
