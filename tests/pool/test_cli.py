@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kvflow
+from kvflow.abc import WriteSession
 from kvflow.cli import main
 from kvflow.pool.launch import EXIT_RUNNING, is_serving, read_pid
 from tests.pool.conftest import REPO, ServeProcess, live_server_pids, wait_until
@@ -171,8 +172,16 @@ def test_the_connection_limit_tells_the_refused_client(
     path = f"{sock_dir}/pool.sock"
     serve(path, "4MiB", "--max-clients", "1", "--idle-timeout", "1")
     store = kvflow.SharedStore(socket=path)
+
+    def open_write() -> WriteSession | None:
+        try:
+            return store.open_write(["k"], 8192)
+        except kvflow.StoreUnavailableError:  # the readiness probe's connection is still counted
+            return None
+
     try:
-        writing = store.open_write(["k"], 8192)  # not idle while this is open
+        # not idle while this is open
+        writing = wait_until(open_write, 30, "the one connection to be free", interval=0.2)
         code, out, err = kvflow_cli("pool", "--socket", path, "stats")
         assert code == 1 and out == "", (out, err)
         assert len(err.strip().splitlines()) == 1, err
