@@ -123,19 +123,21 @@ def test_shutdown_refuses_new_calls_and_ends_its_threads() -> None:
 def test_threads_pin_to_cpus_and_threads_they_start_inherit_it() -> None:
     target = (CPUS[-1],)
 
-    def start_a_thread() -> list[int]:
-        seen: list[int] = []
-        t = threading.Thread(target=lambda: seen.extend(sorted(os.sched_getaffinity(0))))
-        t.start()
-        t.join(5)
-        return seen
-
     calls = BoundedCaller("pinned", 5, cpus=target)
     try:
         assert calls.call("", start_a_thread) == list(target)
         assert sorted(os.sched_getaffinity(0)) == CPUS, "the caller was re-pinned"
     finally:
         calls.shutdown()
+
+
+def start_a_thread() -> list[int]:
+    """The CPUs a thread started from the calling thread may run on."""
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.extend(sorted(os.sched_getaffinity(0))))
+    t.start()
+    t.join(5)
+    return seen
 
 
 def _raise(exc: BaseException) -> None:

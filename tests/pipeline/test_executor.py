@@ -12,6 +12,7 @@ import kvflow
 from kvflow.pipeline.executor import PinnedExecutor, call_pinned
 from tests.conftest import make_caches
 from tests.pipeline.wrappers import WrappedStore
+from tests.test_bounded import start_a_thread
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
@@ -46,13 +47,6 @@ def test_unpinned_executor_leaves_affinity_alone() -> None:
 @pytest.mark.skipif(not CPUS, reason="CPU affinity is a Linux feature")
 def test_call_pinned_runs_pinned_and_threads_it_starts_inherit_it() -> None:
     target = (CPUS[-1],)
-
-    def start_a_thread() -> list[int]:
-        seen: list[int] = []
-        t = threading.Thread(target=lambda: seen.extend(sorted(os.sched_getaffinity(0))))
-        t.start()
-        t.join(5)
-        return seen
 
     assert call_pinned(target, start_a_thread) == list(target)
     assert sorted(os.sched_getaffinity(0)) == CPUS, "the caller was re-pinned"

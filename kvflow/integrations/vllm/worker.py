@@ -27,7 +27,8 @@ import ctypes
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -48,12 +49,15 @@ if TYPE_CHECKING:
     from kvflow.integrations.vllm.caches import CacheGroup
     from kvflow.integrations.vllm.config import ConnectorConfig
     from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
+    from kvflow.integrations.vllm.planner import Transfer
     from kvflow.layout import KVLayout
     from kvflow.stores.base import Store
 
 __all__ = ["KVFlowConnectorWorker"]
 
 log = logging.getLogger("kvflow")
+
+H = TypeVar("H", SyncLoadHandle, SyncSaveHandle)
 
 
 class _Step:
@@ -182,15 +186,8 @@ class KVFlowConnectorWorker:
         if self._engine is None:  # the scheduler planned loads this worker cannot make
             step.load_failed = True
             return
-        requests = [
-            (ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids)) for t in step.meta.loads
-        ]
-        if trace.ENABLED:
-            trace.async_begin("step_load", step.ident, "step", requests=len(requests))
-        try:
-            step.load = self._engine.start_load(requests)
-        except KVFlowError as exc:
-            log.warning("kvflow: the step's load did not start: %s", exc)
+        step.load = self._start(step, "load", step.meta.loads, self._engine.start_load)
+        if step.load is None:
             step.load_failed = True
             return
         if not self.config.use_layerwise:  # everything before the forward
@@ -202,16 +199,24 @@ class KVFlowConnectorWorker:
             return
         if self.config.debug_skip_saves and self._debug_here:
             return
+        step.save = self._start(step, "save", step.meta.saves, self._engine.start_save)
+        step.save_stopped = step.save is None  # a save that cannot start is dropped: a future miss
+
+    @staticmethod
+    def _start(
+        step: _Step, what: str, transfers: Sequence[Transfer], start: Callable[..., H]
+    ) -> H | None:
+        """Start the step's load or save of ``transfers``; None (logged) when it cannot start."""
         requests = [
-            (ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids)) for t in step.meta.saves
+            (ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids)) for t in transfers
         ]
         if trace.ENABLED:
-            trace.async_begin("step_save", step.ident, "step", requests=len(requests))
+            trace.async_begin(f"step_{what}", step.ident, "step", requests=len(requests))
         try:
-            step.save = self._engine.start_save(requests)
-        except KVFlowError as exc:  # a save that cannot start is dropped: a future miss
-            log.warning("kvflow: the step's save did not start: %s", exc)
-            step.save_stopped = True
+            return start(requests)
+        except KVFlowError as exc:
+            log.warning("kvflow: the step's %s did not start: %s", what, exc)
+            return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         step = self._start_load()
@@ -326,17 +331,19 @@ class KVFlowConnectorWorker:
 
     def _finish_load(self, step: _Step) -> None:
         result = self._result(step.load, "load") if step.load is not None else None
-        planned = [b for t in step.meta.loads for b in t.block_ids if b != SKIP_BLOCK]
+        every = [np.asarray(t.block_ids, dtype=np.int64) for t in step.meta.loads]
+        planned = np.concatenate(every) if every else np.zeros(0, np.int64)
+        planned = planned[planned != SKIP_BLOCK]
         debug_fail = self.config.debug_fail_loads and self._debug_here
         if result is None or step.load_failed or debug_fail:
-            failed = set(planned)
+            failed = planned
             step.load_failed = True
         else:
-            failed = {int(b) for r in result.requests for b in r.failed_block_ids}
-            step.load_failed = bool(failed)
+            failed = result.failed_block_ids
+            step.load_failed = bool(failed.size)
             if self.config.debug_corrupt_loads and self._debug_here:
-                self._corrupt(np.asarray([b for b in planned if b not in failed], dtype=np.int64))
-        self._load_errors |= failed
+                self._corrupt(planned[~np.isin(planned, failed)])
+        self._load_errors.update(failed.tolist())
         if trace.ENABLED:
             trace.async_end("step_load", step.ident, "step", failed_blocks=len(failed))
         with self._stats.update() as stats:
