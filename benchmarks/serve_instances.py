@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -203,11 +204,14 @@ def stream_completion(
     max_tokens: int,
     timeout: float = 300.0,
     abort_after_first: bool = False,
+    abort_after_s: float | None = None,
 ) -> dict[str, Any]:
     """One greedy streaming ``/v1/completions`` request for the prompt ``tokens`` (token ids),
     ``max_tokens`` tokens with ``ignore_eos``. Returns ``ttft_s`` (send to the first chunk with
     tokens), ``tokens`` (the generated ids) and ``aborted``: with ``abort_after_first`` the
-    connection is closed after the first such chunk (vLLM aborts the request)."""
+    connection is closed after the first such chunk, with ``abort_after_s`` that many seconds
+    after sending unless the response ended before (either way vLLM aborts the request).
+    ``timeout`` bounds each socket operation."""
     host, port = url.removeprefix("http://").split(":")
     body = {
         "model": MODEL_NAME,
@@ -220,17 +224,22 @@ def stream_completion(
     }
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     out: dict[str, Any] = {"ttft_s": None, "tokens": [], "aborted": False}
+    done = False  # the server sent "data: [DONE]"
+    closer = threading.Timer(abort_after_s, _shut, (conn,)) if abort_after_s else None
     try:
         sent = time.perf_counter()
         conn.request(
             "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
+        if closer is not None:
+            closer.start()
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"/v1/completions answered {response.status}: {response.read()!r}")
         for raw in response:
             line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            done = done or line == b"data: [DONE]"
+            if not line.startswith(b"data: ") or done:
                 continue
             new = chunk_tokens(json.loads(line[6:]))
             if new and out["ttft_s"] is None:
@@ -239,9 +248,25 @@ def stream_completion(
             if new and abort_after_first:
                 out["aborted"] = True
                 break
+    except (OSError, http.client.HTTPException):
+        if closer is None or done:  # not the closer's doing
+            raise
     finally:
+        if closer is not None:
+            closer.cancel()
+            closer.join()
         conn.close()
+    if closer is not None and not done:
+        out["aborted"] = True
     return out
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    """Ends a streaming request from a timer thread: shuts its socket down, so that the
+    reading thread's next read ends at once (the server sees the client go away)."""
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 def chunk_tokens(chunk: dict[str, Any]) -> list[int]:
