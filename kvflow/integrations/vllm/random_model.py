@@ -1,13 +1,16 @@
 """A random model and a word-level tokenizer, built offline: to try the connector, test it and
 benchmark it on a machine with no model downloads.
 
-``python -m kvflow.integrations.vllm.random_model DIR [--family llama|deepseek] [--layers 8
---hidden 1024 ...]`` writes safetensors weights, config.json and tokenizer.json to DIR. The
-weights are random: what matters to a KV connector is real (layers, KV heads, head size, dtype,
-so the bytes per token).
+``python -m kvflow.integrations.vllm.random_model DIR [--family llama|mistral|deepseek]
+[--layers 8 --hidden 1024 ...]`` writes safetensors weights, config.json and tokenizer.json to
+DIR. The weights are random: what matters to a KV connector is real (layers, KV heads, head
+size, dtype, so the bytes per token).
 
 * ``llama`` (the default): vLLM's CPU attention needs head_size (hidden / heads) in {32, 64, 80,
   96, 112, 128, ...}.
+* ``mistral``: Llama's shape with sliding-window attention (``--window`` tokens, every layer):
+  vLLM keeps only the blocks a request's window still reads, and puts its null block in the
+  block table for the others.
 * ``deepseek``: a DeepSeek-V2-style model, multi-head latent attention (MLA: one latent vector
   of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer, shared by every head) and
   mixture-of-experts MLPs after the first (dense) layer. vLLM runs it with its MLA backend.
@@ -23,16 +26,17 @@ from pathlib import Path
 from typing import Any
 
 VOCAB = 1024
-FAMILIES = ("llama", "deepseek")
+FAMILIES = ("llama", "mistral", "deepseek")
 
 
 def build(directory: str, *, family: str = "llama", layers: int = 4, hidden: int = 256,
-          heads: int = 4, kv_heads: int = 2, kv_lora_rank: int = 512, rope_dim: int = 64,
-          dtype: str = "float32", seed: int = 0) -> Path:  # fmt: skip
+          heads: int = 4, kv_heads: int = 2, window: int = 128, kv_lora_rank: int = 512,
+          rope_dim: int = 64, dtype: str = "float32", seed: int = 0) -> Path:  # fmt: skip
     """Write the model and tokenizer into ``directory`` (once: an existing build is reused).
 
-    ``kv_heads`` is Llama's; ``kv_lora_rank`` and ``rope_dim`` (``qk_rope_head_dim``) are
-    DeepSeek's, whose KV per token and layer is their sum.
+    ``kv_heads`` is Llama's and Mistral's; ``window`` Mistral's sliding window in tokens;
+    ``kv_lora_rank`` and ``rope_dim`` (``qk_rope_head_dim``) are DeepSeek's, whose KV per token
+    and layer is their sum.
     """
     import torch
 
@@ -46,6 +50,10 @@ def build(directory: str, *, family: str = "llama", layers: int = 4, hidden: int
     torch.manual_seed(seed)
     if family == "llama":
         model = _llama(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, dtype=dtype)
+    elif family == "mistral":
+        model = _mistral(
+            layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, window=window, dtype=dtype
+        )
     else:
         model = _deepseek(
             layers=layers,
@@ -57,6 +65,8 @@ def build(directory: str, *, family: str = "llama", layers: int = 4, hidden: int
         )
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     marker = {"family": family, "layers": layers, "dtype": dtype}
+    if family == "mistral":
+        marker["window"] = window
     (out / "kvflow-test-model.json").write_text(json.dumps(marker))
     return out
 
@@ -90,6 +100,31 @@ def _llama(*, layers: int, hidden: int, heads: int, kv_heads: int, dtype: str) -
         torch_dtype=dtype,
     )
     return LlamaForCausalLM(config)
+
+
+def _mistral(
+    *, layers: int, hidden: int, heads: int, kv_heads: int, window: int, dtype: str
+) -> Any:
+    """Weights drawn wider than transformers' default (std 0.1), as DeepSeek's below: the next
+    token then depends on the context, so KV loaded wrong shows in the tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        sliding_window=window,
+        initializer_range=0.1,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype=dtype,
+    )
+    return MistralForCausalLM(config)
 
 
 def _deepseek(
@@ -137,13 +172,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2, help="llama")
+    parser.add_argument("--kv-heads", type=int, default=2, help="llama, mistral")
+    parser.add_argument("--window", type=int, default=128, help="mistral: sliding window")
     parser.add_argument("--kv-lora-rank", type=int, default=512, help="deepseek")
     parser.add_argument("--rope-dim", type=int, default=64, help="deepseek: qk_rope_head_dim")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
     print(build(args.directory, family=args.family, layers=args.layers, hidden=args.hidden,
-                heads=args.heads, kv_heads=args.kv_heads, kv_lora_rank=args.kv_lora_rank,
+                heads=args.heads, kv_heads=args.kv_heads, window=args.window,
+                kv_lora_rank=args.kv_lora_rank,
                 rope_dim=args.rope_dim, dtype=args.dtype))  # fmt: skip
 
 

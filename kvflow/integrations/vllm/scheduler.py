@@ -53,6 +53,7 @@ class KVFlowConnectorScheduler:
             lookup=self._lookup,
             load=config.load,
             save=config.save,
+            window=group.window,
             # twice the chunks vLLM's cache holds: those it can serve, and recent others
             seen_limit=2 * group.num_blocks // group.chunk_blocks,
         )

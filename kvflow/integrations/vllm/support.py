@@ -3,16 +3,20 @@ serve correctly is refused at start with a ConfigError, never discovered by fail
 
 Handled: one KV cache group of full attention (``FullAttentionSpec``; also the form vLLM gives
 the sliding-window layers of a model that mixes them with full ones while its hybrid KV cache
-manager is off: it then keeps every block) or MLA (``MLAAttentionSpec``); tensor parallelism;
-speculative decoding whose proposer has no KV cache of its own (n-gram, suffix, Medusa, MLP
-speculator): the prompt KV is the target model's alone, which drafting does not change.
-Refused, with the reason in the message:
+manager is off: it then keeps every block), sliding-window attention (``SlidingWindowSpec``,
+every layer with the same window, as Mistral's: the chunks of a hit's window are loaded, see
+``planner``; ``kv_load_failure_policy="fail"``, below) or MLA (``MLAAttentionSpec``); tensor
+parallelism; speculative decoding whose proposer has no KV cache of its own (n-gram, suffix,
+Medusa, MLP speculator): the prompt KV is the target model's alone, which drafting does not
+change. Refused, with the reason in the message:
 
 - several KV cache groups (vLLM's hybrid KV cache manager);
-- attention whose block tables hold vLLM's null block for tokens it no longer keeps
-  (``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec`` and the other kinds that are not full
-  attention): a chunk's blocks are then partly gone, so it can be neither saved whole nor
-  loaded into its blocks;
+- sliding-window attention with ``kv_load_failure_policy="recompute"``: vLLM resumes a failed
+  load at its first failed block, and the window before that block was never loaded (vLLM
+  keeps only the hit's last window), so the recomputed KV would be wrong; ``"fail"`` fails the
+  request instead;
+- the other attention kinds (``ChunkedLocalAttentionSpec``, Mamba and the rest): which of their
+  blocks vLLM keeps follows rules of their own, which the planner does not know;
 - a hash block size other than the block size;
 - pipeline parallelism (every stage's objects would share one key) and decode-context
   parallelism (each rank holds part of a block's tokens);
@@ -48,19 +52,19 @@ _PARALLEL_REFUSED = {
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Raise ConfigError for what the connector does not handle (rather than move wrong bytes);
     warn where vLLM's own setting makes a failed load fail its request."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     groups = len(kv_cache_config.kv_cache_groups)
     if groups != 1:
         raise ConfigError("kv_cache_groups", groups, "kvflow's connector handles one group")
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec):
         raise ConfigError(
             "kv_cache_spec",
             type(spec).__name__,
-            "kvflow's connector handles full attention and MLA; this attention's block tables "
-            "hold vLLM's null block for tokens it no longer keeps, which kvflow can neither "
-            "save nor load (sliding-window and chunked-local attention are not supported yet)",
+            "kvflow's connector handles full attention, sliding-window attention and MLA; "
+            "which blocks vLLM keeps for this attention follows rules kvflow does not know "
+            "(chunked-local attention, Mamba and the other kinds are not supported)",
         )
     hash_block = getattr(kv_cache_config, "hash_block_size", None) or spec.block_size
     if hash_block != spec.block_size:
@@ -82,7 +86,16 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "per-step save and load do not follow",
         )
     policy = vllm_config.kv_transfer_config.kv_load_failure_policy
-    if policy != "recompute":
+    if type(spec) is SlidingWindowSpec and policy == "recompute":
+        raise ConfigError(
+            "kv_load_failure_policy",
+            policy,
+            "with sliding-window attention, set it to 'fail': vLLM recomputes a failed load "
+            "from its first failed block, whose window (the blocks before it) the load did not "
+            "bring (vLLM holds its null block there), so the recomputed KV and tokens would be "
+            "wrong; with 'fail' a failed load fails its request",
+        )
+    if policy != "recompute" and type(spec) is not SlidingWindowSpec:
         log.warning(
             "kvflow: kv_load_failure_policy=%r: a chunk that fails to load fails its request; "
             "set it to 'recompute' to recompute the chunk instead",

