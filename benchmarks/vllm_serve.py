@@ -10,7 +10,9 @@ caps device KV): ``prefix_cache`` (no connector), ``kvflow`` (KVFlowConnector, n
 the shared pool it starts itself, here on a private socket via ``KVFLOW_POOL_SOCKET``),
 ``kvflow_mooncake`` (kvflow on a ``mooncake_master`` of its own), ``mooncake_store_connector``
 (vLLM's, on a master of its own) and ``kvflow_two_servers`` (two servers on one kvflow pool;
-requests alternate between them: a conversation's next turn goes to the other server).
+requests alternate between them: a conversation's next turn goes to the other server). Rows
+run on request only: ``kvflow_chunkN``, the ``kvflow`` row with chunks of ``N`` tokens
+(``chunk_blocks`` = N / block size) instead of the default.
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -35,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -70,6 +73,7 @@ ROWS = (
     "mooncake_store_connector",
     "kvflow_two_servers",
 )
+CHUNK_ROW = re.compile(r"kvflow_chunk([1-9][0-9]*)")  # kvflow with chunks of that many tokens
 WORKLOADS = ("bench", "chat")
 VOCAB = 1024  # the random model's
 
@@ -136,13 +140,15 @@ def start_rows(
         env: dict[str, str] = {}
         transfer: dict[str, Any] | None = None
         count = 2 if row == "kvflow_two_servers" else 1
-        if row in ("kvflow", "kvflow_two_servers"):  # defaults: the pool starts itself
+        chunk = CHUNK_ROW.fullmatch(row)
+        if row in ("kvflow", "kvflow_two_servers") or chunk:  # the pool starts itself
             directory = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
             socket = f"{directory}/pool.sock"
             env["KVFLOW_POOL_SOCKET"] = socket
             stack.callback(shutil.rmtree, directory, ignore_errors=True)
             stack.callback(stop_pool, socket)  # first: callbacks run last to first
-            transfer = kvflow_transfer_config({})
+            extra = {"chunk_blocks": int(chunk[1]) // shape.block} if chunk else {}
+            transfer = kvflow_transfer_config(extra)
         elif row == "kvflow_mooncake":
             master = stack.enter_context(MooncakeMaster()).address
             transfer = kvflow_transfer_config(kvflow_mooncake_extra(master, shape.pool))
@@ -530,13 +536,20 @@ def main() -> int:
             print(plot(summary, args.plot) or f"plot: {args.plot}", file=sys.stderr)
         return 0
     rows = args.rows.split(",")
-    unknown = sorted(set(rows) - set(ROWS))
-    if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     repeats = args.repeats or (1 if args.quick else 3)
     if repeats < 1:
         parser.error(f"--repeats must be at least 1, got {repeats}")
     shape = QUICK if args.quick else FULL
+    unknown = sorted(
+        row
+        for row in set(rows) - set(ROWS)
+        if not (m := CHUNK_ROW.fullmatch(row)) or int(m[1]) % shape.block
+    )
+    if unknown:
+        parser.error(
+            f"unknown rows {unknown}; known: {', '.join(ROWS)}, and kvflow_chunkN for N a "
+            f"multiple of the block size {shape.block}"
+        )
     from kvflow.integrations.vllm.random_model import build
 
     name = f"kvflow-serve-llama-{shape.layers}x{shape.hidden}"
