@@ -240,13 +240,13 @@ def test_explicit_copy_cpus_win_over_auto(bound_to_one_cpu: int) -> None:
 @pytest.mark.parametrize(
     ("chunk_blocks", "block_size", "expected"),
     [
-        (0, 16, 16),  # 256 tokens
-        (0, 32, 8),
-        (0, 64, 4),
-        (0, 48, 5),  # rounded down
-        (0, 1, 256),
-        (0, 256, 1),
-        (0, 1024, 1),  # a block larger than 256 tokens: still one block
+        (0, 16, 4),  # 64 tokens
+        (0, 32, 2),
+        (0, 64, 1),
+        (0, 24, 2),  # rounded down
+        (0, 1, 64),
+        (0, 48, 1),
+        (0, 1024, 1),  # a block larger than 64 tokens: still one block
         (3, 16, 3),  # an explicit value wins
         (1, 1024, 1),
     ],
@@ -276,7 +276,7 @@ def test_engine_config_carries_the_engine_fields() -> None:
     assert isinstance(engine, EngineConfig)
     assert engine.model == "served-name"
     assert engine.rank == 3
-    assert engine.chunk_blocks == 8
+    assert engine.chunk_blocks == 2  # 64 tokens of 32-token blocks
     assert engine.prefetch_layers == 3
     assert engine.save_backlog == 6
     assert engine.copy_threads == 2

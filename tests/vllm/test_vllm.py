@@ -81,8 +81,8 @@ def test_out_of_the_box_cold_then_warm(
         copy, model = json.loads(where[1]), json.loads(where[2])
         assert copy and not set(copy) & set(model)
 
-    warm = vllm([A, B, C], extra={}, env=env)  # default chunks: 256 tokens = 8 blocks
-    assert cached(warm) == [256, 0, 0]
+    warm = vllm([A, B, C], extra={}, env=env)  # default chunks: 64 tokens = 2 blocks
+    assert cached(warm) == [256, 192, 128]  # B: the 192 it shares with A; C: all it saved
     assert tokens(warm) == [baseline["A"], baseline["B"], baseline["C"]]
 
 

@@ -30,7 +30,10 @@ __all__ = ["AUTO", "STORES", "ConnectorConfig"]
 
 STORES = ("shared", "mooncake", "memcache", "local")
 AUTO: Literal["auto"] = "auto"
-DEFAULT_CHUNK_TOKENS = 256
+# a hit ends at a chunk boundary: a turn's prompt beyond its last whole chunk is recomputed.
+# Measured in vllm serve (docs/benchmarks.md, "chunk size"): 64 tokens got multi-turn chat 17 %
+# more hit tokens than 256 and TTFT below MooncakeStoreConnector's, for 7 % on long shared prefixes
+DEFAULT_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class ConnectorConfig:
             given, a worker's ``device_id`` is its KV caches' device index and its
             ``local_memory`` is ``device`` for NPU caches, ``host`` otherwise.
         local_capacity: the embedded pool's size.
-        chunk_blocks: vLLM blocks per pool object (default: 256 tokens' worth, at least 1).
+        chunk_blocks: vLLM blocks per pool object (default: 64 tokens' worth, at least 1).
             Hits are whole chunks.
         use_layerwise: load layer by layer while the model computes (true), or load every layer
             before the forward (false: the comparison point).
