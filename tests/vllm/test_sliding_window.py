@@ -4,6 +4,10 @@ Mistral-style model (3 layers, every one with a window of 128 tokens), which vLL
 puts its null block (block 0) in the block table for the others, so a hit needs, and a load
 moves, only the chunks of the window before the hit's end; the chunks before count as computed.
 
+And a random Gemma-2-style model (sliding-window and full layers alternating): with vLLM's
+hybrid KV cache manager off, as with any connector that does not support it, every layer gets
+full attention's cache, every block is kept, and a hit loads every chunk.
+
 Blocks of 32 tokens. Prompts: A (600 tokens), B (A's first 400, then its own), L (800). The
 connector runs with ``kv_load_failure_policy="fail"`` (it refuses "recompute" with a sliding
 window, see ``support``): a failed load fails its request.
@@ -37,6 +41,18 @@ def mistral(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     subprocess.run(
         [vllm_python, "-m", "kvflow.integrations.vllm.random_model", str(directory),
          "--family", "mistral", "--layers", "3", "--window", str(WINDOW)],
+        cwd=REPO, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def gemma2(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The random Gemma-2-style model (4 layers) and its tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny-gemma2")
+    subprocess.run(
+        [vllm_python, "-m", "kvflow.integrations.vllm.random_model", str(directory),
+         "--family", "gemma2", "--layers", "4", "--window", str(WINDOW)],
         cwd=REPO, check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     return str(directory)
@@ -121,3 +137,24 @@ def test_a_chunk_whose_first_blocks_left_the_window_is_not_saved_and_not_needed(
     assert tokens(warm) == [plain["L"]]
     assert window_start(768) == 640  # block 20 of chunk 2 (blocks 16-23): 4 of its blocks
     assert counter(warm, "loaded_tokens") == 768 - 640
+
+
+@pytest.mark.timeout(600)
+def test_sliding_and_full_layers_mixed_load_every_chunk(
+    vllm: VllmRun, gemma2: str, pool_dir: str
+) -> None:
+    """Gemma 2's mix, in one full-attention group: cold saves A and B, warm hits 576 tokens of
+    each and loads all of them, with the tokens of vLLM without the connector (the default
+    ``kv_load_failure_policy``, recompute, is accepted: vLLM keeps every block)."""
+    plain = tokens(vllm([A, L], model=gemma2, llm=F32))
+    assert plain[0] != plain[1]
+    config = extra(pool_dir, chunk_blocks=2)
+    cold = vllm([A, L], model=gemma2, extra=config, llm=F32)
+    assert "hybrid kv cache manager" in cold["log"].lower()  # turned off: one group
+    assert cached(cold) == [0, 0]
+    assert tokens(cold) == plain
+
+    warm = vllm([A, L], model=gemma2, extra=config, llm=F32, counters=True)
+    assert cached(warm) == [576, 768]
+    assert tokens(warm) == plain
+    assert counter(warm, "loaded_tokens") == 576 + 768

@@ -1,7 +1,7 @@
 """A random model and a word-level tokenizer, built offline: to try the connector, test it and
 benchmark it on a machine with no model downloads.
 
-``python -m kvflow.integrations.vllm.random_model DIR [--family llama|mistral|deepseek]
+``python -m kvflow.integrations.vllm.random_model DIR [--family llama|mistral|gemma2|deepseek]
 [--layers 8 --hidden 1024 ...]`` writes safetensors weights, config.json and tokenizer.json to
 DIR. The weights are random: what matters to a KV connector is real (layers, KV heads, head
 size, dtype, so the bytes per token).
@@ -11,6 +11,9 @@ size, dtype, so the bytes per token).
 * ``mistral``: Llama's shape with sliding-window attention (``--window`` tokens, every layer):
   vLLM keeps only the blocks a request's window still reads, and puts its null block in the
   block table for the others.
+* ``gemma2``: Gemma-2-style, sliding-window (``--window``) and full-attention layers alternating,
+  with Gemma's logit soft-capping; with its hybrid KV cache manager off (as with a connector
+  that does not support it) vLLM gives every layer full attention's cache and keeps every block.
 * ``deepseek``: a DeepSeek-V2-style model, multi-head latent attention (MLA: one latent vector
   of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer, shared by every head) and
   mixture-of-experts MLPs after the first (dense) layer. vLLM runs it with its MLA backend.
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 VOCAB = 1024
-FAMILIES = ("llama", "mistral", "deepseek")
+FAMILIES = ("llama", "mistral", "gemma2", "deepseek")
 
 
 def build(directory: str, *, family: str = "llama", layers: int = 4, hidden: int = 256,
@@ -50,8 +53,9 @@ def build(directory: str, *, family: str = "llama", layers: int = 4, hidden: int
     torch.manual_seed(seed)
     if family == "llama":
         model = _llama(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, dtype=dtype)
-    elif family == "mistral":
-        model = _mistral(
+    elif family in ("mistral", "gemma2"):
+        make = _mistral if family == "mistral" else _gemma2
+        model = make(
             layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, window=window, dtype=dtype
         )
     else:
@@ -65,7 +69,7 @@ def build(directory: str, *, family: str = "llama", layers: int = 4, hidden: int
         )
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     marker = {"family": family, "layers": layers, "dtype": dtype}
-    if family == "mistral":
+    if family in ("mistral", "gemma2"):
         marker["window"] = window
     (out / "kvflow-test-model.json").write_text(json.dumps(marker))
     return out
@@ -127,6 +131,30 @@ def _mistral(
     return MistralForCausalLM(config)
 
 
+def _gemma2(*, layers: int, hidden: int, heads: int, kv_heads: int, window: int, dtype: str) -> Any:
+    """transformers' default weights (with wider ones Gemma's soft-capped logits saturate and
+    every prompt gives the same token)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        query_pre_attn_scalar=hidden // heads,
+        sliding_window=window,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype=dtype,
+    )
+    return Gemma2ForCausalLM(config)
+
+
 def _deepseek(
     *, layers: int, hidden: int, heads: int, kv_lora_rank: int, rope_dim: int, dtype: str
 ) -> Any:
@@ -172,8 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2, help="llama, mistral")
-    parser.add_argument("--window", type=int, default=128, help="mistral: sliding window")
+    parser.add_argument("--kv-heads", type=int, default=2, help="llama, mistral, gemma2")
+    parser.add_argument("--window", type=int, default=128, help="mistral, gemma2: sliding window")
     parser.add_argument("--kv-lora-rank", type=int, default=512, help="deepseek")
     parser.add_argument("--rope-dim", type=int, default=64, help="deepseek: qk_rope_head_dim")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
