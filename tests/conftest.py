@@ -7,10 +7,16 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
 
 import kvflow
 from kvflow.abc import Store
 from tests.pools import STORE_NAMES, dispose, make_store, stop_master, stop_servers
+
+# property tests check results, not speed: no per-example deadline (a stall of a loaded machine
+# would fail one)
+settings.register_profile("kvflow", deadline=None)
+settings.load_profile("kvflow")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -35,6 +35,14 @@ def setup():
     store.close()
 
 
+async def stored(layout: kvflow.KVLayout, store: WrappedStore, tokens: np.ndarray) -> None:
+    """Save ``tokens`` from blocks 0.. with the default timeouts: a stall of the machine must
+    not fail the setup of a test about short ones."""
+    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK)
+    async with kvflow.TransferEngine(layout, store, cfg) as engine:
+        assert (await engine.save(tokens, np.arange(len(tokens) // BS))).ok
+
+
 async def settle(engine: kvflow.TransferEngine, store: WrappedStore) -> StoreUsage:
     """Wait (bounded) until no batch is open, then return the pool's usage."""
     for _ in range(200):
@@ -140,9 +148,9 @@ async def test_stuck_copy_times_out_and_keeps_its_lease_until_it_returns(setup) 
     caches, layout, store = setup
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, copy_timeout_s=0.2)
     gate = threading.Event()
+    tokens = tokens_for(2)
+    await stored(layout, store, tokens)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
-        tokens = tokens_for(2)
-        await engine.save(tokens, np.arange(4))
         store.before_copy = lambda d, *a: (
             gate.wait(10) and None if d == Direction.FROM_POOL else None
         )
@@ -165,7 +173,7 @@ async def test_wait_layer_and_layer_written_time_out(setup) -> None:
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, save_backlog=1, copy_timeout_s=5)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         tokens = tokens_for(2)
-        await engine.save(tokens, np.arange(4))
+        assert (await engine.save(tokens, np.arange(4))).ok
         store.before_copy = lambda *a: gate.wait(10) and None
         handle = await engine.start_load([(tokens, np.arange(8, 12))])
         with pytest.raises(kvflow.TransferTimeoutError) as info:
@@ -208,9 +216,9 @@ async def test_metadata_call_that_hangs_times_out(setup) -> None:
     store.inline_metadata = False
     gate = threading.Event()
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, op_timeout_s=0.2)
+    tokens = tokens_for(2)
+    await stored(layout, store, tokens)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
-        tokens = tokens_for(2)
-        await engine.save(tokens, np.arange(4))
         real = store.inner.open_read
 
         def slow(keys):

@@ -62,7 +62,7 @@ def test_sync_wait_layer_times_out_and_close_stops_the_thread(store_name: str) -
     start = time.monotonic()
     with pytest.raises(kvflow.TransferTimeoutError):
         handle.wait_layer(0, timeout=0.05)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 3.0  # not the gate's 5 s
     gate.set()
     assert handle.wait(timeout=5).ok
     engine.close()
@@ -153,7 +153,7 @@ def test_start_load_returns_before_the_store_session_opens() -> None:
     engine = saved_engine(store, caches)
     start = time.monotonic()
     handle = engine.start_load([(np.arange(32), [6, 7])])
-    assert time.monotonic() - start < 0.5 and not store.opened.is_set()
+    assert time.monotonic() - start < 3.0 and not store.opened.is_set()
     assert not handle.done()
     threading.Timer(0.1, store.gate.set).start()
     for layer in range(3):
@@ -200,7 +200,7 @@ def test_start_save_returns_before_the_store_session_opens() -> None:
     store.write_opened.clear()
     start = time.monotonic()
     save = engine.start_save([(np.arange(100, 132), [2, 3])])
-    assert time.monotonic() - start < 0.5 and not store.write_opened.is_set()
+    assert time.monotonic() - start < 3.0 and not store.write_opened.is_set()
     assert not save.done()
     threading.Timer(0.1, store.write_gate.set).start()
     for layer in range(3):
@@ -278,7 +278,7 @@ def test_wait_reads_a_published_result_without_the_loop(store_name: str) -> None
     engine._loop.call_soon_threadsafe(busy.wait, 5)
     start = time.monotonic()
     result = load.wait(timeout=1)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 3.0  # not the loop's 5 s
     assert result.ok and result.requests[0].ok_tokens == 32
     busy.set()
     engine.close()

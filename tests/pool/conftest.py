@@ -354,3 +354,13 @@ def live_server_pids(socket_path: str) -> list[int]:
         if os.fsencode(socket_path) in argv:
             pids.append(int(entry))
     return pids
+
+
+def thread_affinities(pid: int) -> list[frozenset[int]]:
+    """The CPU affinity of each live thread of process ``pid`` (a connection's thread may end
+    between listing and asking: it is left out)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            out.append(frozenset(os.sched_getaffinity(int(tid))))
+    return out

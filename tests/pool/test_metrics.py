@@ -66,6 +66,8 @@ def test_scrape_after_traffic_matches_pool_stats(
     port = free_port()
     server = serve(path, "4MiB", "--metrics-port", str(port), "--idle-timeout", "30")
     wait_until(lambda: f"127.0.0.1:{port}/metrics" in server.log(), 30, "the metrics line")
+    # the readiness probe's connection counts until the server has read its end
+    wait_until(lambda: pool_stats(path)["clients"] == 1, 30, "the probe to be gone")
     store = kvflow.SharedStore(socket=path)
     try:
         session = store.open_write(["a", "b"], 8192)
