@@ -225,7 +225,8 @@ def stream_completion(
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     out: dict[str, Any] = {"ttft_s": None, "tokens": [], "aborted": False}
     done = False  # the server sent "data: [DONE]"
-    closer = threading.Timer(abort_after_s, _shut, (conn,)) if abort_after_s else None
+    shut = threading.Event()  # set by the closer, before it shuts the socket down
+    closer = threading.Timer(abort_after_s, _shut, (conn, shut)) if abort_after_s else None
     try:
         sent = time.perf_counter()
         conn.request(
@@ -249,21 +250,22 @@ def stream_completion(
                 out["aborted"] = True
                 break
     except (OSError, http.client.HTTPException):
-        if closer is None or done:  # not the closer's doing
+        if not (shut.is_set() or done):  # neither the closer's doing nor after the end
             raise
     finally:
         if closer is not None:
             closer.cancel()
             closer.join()
         conn.close()
-    if closer is not None and not done:
+    if shut.is_set() and not done:
         out["aborted"] = True
     return out
 
 
-def _shut(conn: http.client.HTTPConnection) -> None:
+def _shut(conn: http.client.HTTPConnection, shut: threading.Event) -> None:
     """Ends a streaming request from a timer thread: shuts its socket down, so that the
     reading thread's next read ends at once (the server sees the client go away)."""
+    shut.set()
     if conn.sock is not None:
         with contextlib.suppress(OSError):
             conn.sock.shutdown(socket.SHUT_RDWR)

@@ -879,13 +879,13 @@ def test_chunked_prefill_after_vllms_cache_saves_each_new_chunk_once() -> None:
 # -- sliding window ---------------------------------------------------------------------------
 
 
-def vllm_table(req: FakeRequest, window: int, computed: int, base: int = 100) -> list[int]:
+def vllm_table(req: FakeRequest, window: int, computed: int) -> list[int]:
     """The block table vLLM gives a request scheduled with ``computed`` tokens already
     computed under a sliding ``window``: its null block for the blocks before the window of
-    token ``computed``, then ``base + i`` for block i."""
+    token ``computed``, then ``100 + i`` for block i."""
     blocks = -(-req.prompt_tokens // BS)
     dropped = max(0, computed - window + 1) // BS
-    return [NULL_BLOCK] * dropped + [base + i for i in range(dropped, blocks)]
+    return [NULL_BLOCK] * dropped + [100 + i for i in range(dropped, blocks)]
 
 
 @pytest.mark.parametrize(
@@ -922,9 +922,7 @@ def test_a_windowed_load_moves_the_windows_chunks_into_the_blocks_vllm_kept() ->
 
     assert match(p, req) == 5 * CT
     p.allocated(req.req_id, 5 * CT)
-    table = vllm_table(req, 12, 5 * CT)
-    assert table[:8] == [NULL_BLOCK] * 7 + [107]
-    loads, saves = p.step([new(req, table, 5 * CT, 1)])
+    loads, saves = p.step([new(req, vllm_table(req, 12, 5 * CT), 5 * CT, 1)])
 
     (load,) = loads
     assert (load.first_chunk, load.hashes) == (3, (req.chunk_hash(3), req.chunk_hash(4)))
@@ -966,3 +964,18 @@ def test_a_chunk_is_not_saved_once_the_window_dropped_its_first_block() -> None:
         assert s1 == []
         assert [c for _, c, _, _ in per_chunk(s2 + s3)] == expect, window
         assert per_chunk(s2 + s3) == expected(req, expect, blocks)
+
+
+def test_a_windowed_waiting_request_asks_the_pool_every_time() -> None:
+    """With a sliding window a chunk gone between lookup and load fails the request (vLLM's
+    "fail" policy), so a waiting request's answer is not reused."""
+    pool, req = FakePool(), request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    clock = Clock()
+    p = planner(pool, window=12, clock=clock)
+
+    assert match(p, req) == 3 * CT
+    pool.stored.clear()
+    clock.now += REUSE_S / 10
+    assert match(p, req) == 0
+    assert len(pool.calls) == 2

@@ -23,7 +23,7 @@ import pytest
 from kvflow.pool.client import query_stats
 from tests.pool.conftest import REPO
 from tests.vllm.conftest import VllmRun
-from tests.vllm.test_vllm import _tokens, cached, tokens
+from tests.vllm.test_vllm import _tokens, cached, shared_extra, tokens
 
 WINDOW = 128
 BLOCK = 32
@@ -67,7 +67,7 @@ def plain(vllm: VllmRun, mistral: str) -> dict[str, list[int]]:
 
 
 def extra(pool_dir: str, chunk_blocks: int, **more: Any) -> dict[str, Any]:
-    return {"chunk_blocks": chunk_blocks, "shared": {"socket": f"{pool_dir}/pool.sock"}, **more}
+    return shared_extra(pool_dir, chunk_blocks=chunk_blocks, **more)
 
 
 def objects(pool_dir: str) -> int:
@@ -76,12 +76,6 @@ def objects(pool_dir: str) -> int:
 
 def counter(result: dict[str, Any], name: str) -> int:
     return int(result["counters"].get(f"vllm:kvflow_{name}", 0))
-
-
-def window_start(hit: int) -> int:
-    """The first token of the first block vLLM keeps once ``hit`` tokens are computed (its
-    ``get_num_skipped_tokens``, rounded down to a block)."""
-    return max(0, hit - WINDOW + 1) // BLOCK * BLOCK
 
 
 @pytest.mark.timeout(900)
@@ -104,16 +98,15 @@ def test_sliding_window_cold_warm_partial_and_failed_loads(
     warm = vllm([A, B], model=mistral, extra=config, counters=True, one_by_one=True, **FAIL)
     assert cached(warm) == [576, 384]
     assert tokens(warm) == [plain["A"], plain["B"]]
-    # chunk 7 starts at 448, the window of token 576 at 448 (A); chunk 4 at 256, token 384's
-    # window at 256 (B): two chunks each
-    assert (window_start(576), window_start(384)) == (448, 256)
+    # A: token 576's window starts at 448, in chunk 7; B: token 384's at 256, in chunk 4
     assert counter(warm, "loaded_tokens") == 128 + 128
     assert counter(warm, "load_failed_tokens") == 0
     assert objects(pool_dir) == 9 + 3  # B's own whole chunks: 6, 7 and 8
 
-    failing = vllm([A, B], model=mistral, extra={**config, "debug_fail_loads": True}, **FAIL)
+    fresh = _tokens(300, 24)  # no hit: computed, after the failures
+    failing = vllm([A, B, fresh], model=mistral, extra={**config, "debug_fail_loads": True}, **FAIL)
     assert "due to KV load failure (failure_policy=fail" in failing["log"]
-    assert [o["finish_reason"] for o in failing["outputs"]] == ["error", "error"]
+    assert [o["finish_reason"] for o in failing["outputs"]] == ["error", "error", "length"]
 
 
 @pytest.mark.timeout(600)
@@ -135,7 +128,7 @@ def test_a_chunk_whose_first_blocks_left_the_window_is_not_saved_and_not_needed(
     warm = vllm([L], model=mistral, extra=config, counters=True, **FAIL)
     assert cached(warm) == [768]
     assert tokens(warm) == [plain["L"]]
-    assert window_start(768) == 640  # block 20 of chunk 2 (blocks 16-23): 4 of its blocks
+    # token 768's window starts at 640: block 20, in chunk 2 (blocks 16-23): 4 of its blocks
     assert counter(warm, "loaded_tokens") == 768 - 640
 
 

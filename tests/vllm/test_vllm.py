@@ -50,8 +50,13 @@ def cached(result: dict[str, Any]) -> list[int]:
     return [o["cached"] for o in result["outputs"]]
 
 
+# a lookup that times out is a miss (by design): on a loaded test machine the default 2 s could
+# turn a hit the test asserts into one
+LOOKUP = {"lookup_timeout_s": 30.0}
+
+
 def shared_extra(pool_dir: str, **more: Any) -> dict[str, Any]:
-    return {"chunk_blocks": 1, "shared": {"socket": f"{pool_dir}/pool.sock"}, **more}
+    return {"chunk_blocks": 1, "shared": {"socket": f"{pool_dir}/pool.sock"}, **LOOKUP, **more}
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +275,7 @@ def test_mooncake_cold_then_warm(vllm: VllmRun, baseline: dict[str, list[int]]) 
                 "global_segment_size": 0,
                 "key_prefix": "vllm-test/",
             }
-            extra = {"store": "mooncake", "chunk_blocks": 1, "mooncake": mooncake}
+            extra = {"store": "mooncake", "chunk_blocks": 1, "mooncake": mooncake, **LOOKUP}
             cold = vllm([A, C], extra=extra)
             assert cached(cold) == [0, 0]
             assert "kvflow: worker connector on the mooncake pool" in cold["log"]
@@ -286,7 +291,7 @@ def test_local_store_in_one_process(vllm: VllmRun, baseline: dict[str, list[int]
     same prompt loads what the first saved, within one vLLM instance."""
     run = vllm(
         [A, A],
-        extra={"store": "local", "chunk_blocks": 1, "local_capacity": "64MiB"},
+        extra={"store": "local", "chunk_blocks": 1, "local_capacity": "64MiB", **LOOKUP},
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         one_by_one=True,
     )

@@ -57,7 +57,7 @@ class CacheGroup:
     chunk_blocks: int
     model: str  # the model part of every key
     fingerprint: str  # spec_fingerprint
-    window: int = 0  # sliding-window attention: tokens a position reads (0: full attention)
+    window: int = 0  # sliding window: tokens whose blocks vLLM keeps behind one (0: full)
 
     @classmethod
     def from_vllm(

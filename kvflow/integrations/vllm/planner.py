@@ -21,14 +21,17 @@ A request waiting for device blocks is asked about again at every scheduler step
 answer is reused for ``REUSE_S`` (the pool is asked again after that, or once vLLM's own hit
 changed, or it was scheduled since), so that a queue of waiting requests costs the scheduler no
 pool round trips per step.
-A chunk evicted meanwhile fails its load, and vLLM recomputes it, as after any lookup.
+A chunk evicted meanwhile fails its load, and vLLM recomputes it, as after any lookup (with a
+sliding window vLLM fails the request instead, see ``support``: there answers are not reused).
 
-Sliding-window attention (``window``: the tokens a position's attention reads, itself included):
-vLLM keeps only the blocks the next token's window reads and puts its null block
-(``NULL_BLOCK``) in the block table for the others. A hit ending at token ``E`` then needs only
-the chunks that hold a block of the window before ``E``: those are looked up, and loaded into
-the blocks vLLM allocated (the null block's places are ``SKIP_BLOCK``); the chunks before them
-count as computed without being moved. A chunk is saved only while vLLM still holds all its
+Sliding-window attention (``window``: the tokens whose blocks vLLM keeps behind a position, its
+own included: the window, and any it retains beyond): vLLM keeps only the blocks the next
+token's window reads and puts its null block (``NULL_BLOCK``) in the block table for the others.
+A hit ending at token ``E`` then needs only the chunks that hold a block of the window before
+``E``: every chunk from the first is looked up as without a window, and the hit is the longest
+whose window chunks were all found; those alone are loaded, into the blocks vLLM allocated (the
+null block's places are ``SKIP_BLOCK``), and the chunks before them count as computed without
+being moved. A chunk is saved only while vLLM still holds all its
 blocks: one that a chunked prefill completes after the window left its first block is not
 (a later lookup needs it only for hits ending within a window of it).
 
@@ -126,7 +129,7 @@ class ChunkPlanner:
     """``lookup(hashes, preceding)`` says, per chunk hash, whether every rank's object is in
     the pool (a failing pool answers all False); ``preceding`` are the hashes of the prompt's
     chunks before them, for the pool's eviction order only. ``window``: sliding-window
-    attention's tokens (0: full attention; see the module's docstring). ``seen_limit`` bounds
+    attention's kept tokens (0: full attention; see the module's docstring). ``seen_limit`` bounds
     the chunk hashes remembered as seen in the pool (see the module's docstring); ``clock``
     gives the time in seconds they are remembered by. Not thread-safe: vLLM calls the scheduler
     side from one thread."""
@@ -178,10 +181,11 @@ class ChunkPlanner:
         from ``max(first, window chunk of E)`` to ``E`` was found (``found[i]``: chunk
         ``first + i``); ``first`` when there is none."""
         misses = np.flatnonzero(~found)
-        if not self.window or not misses.size:
+        if not self.window or not misses.size:  # the leading run of found chunks, in NumPy
             return first + (int(misses[0]) if misses.size else int(found.size))
-        run = 0  # found chunks in a row, ending at chunk ``first + i``
-        runs = [run := run + 1 if f else 0 for f in found.tolist()]
+        runs: list[int] = []  # runs[i]: found chunks in a row, ending at chunk ``first + i``
+        for f in found.tolist():
+            runs.append(runs[-1] + 1 if f and runs else int(f))
         for end in range(first + len(runs), first, -1):
             if runs[end - first - 1] >= end - max(first, self._window_chunk(end)):
                 return end
@@ -203,7 +207,8 @@ class ChunkPlanner:
         if not self._load or num_computed % self.block_size:
             return 0
         now = self._clock()
-        if t.answer is not None and t.answer[0] == num_computed and now - t.answer[1] < REUSE_S:
+        reuse_s = 0.0 if self.window else REUSE_S  # windowed: a chunk gone fails the request
+        if t.answer is not None and t.answer[0] == num_computed and now - t.answer[1] < reuse_s:
             hit = t.answer[2]
             if hit is None:
                 return 0
@@ -288,6 +293,8 @@ class ChunkPlanner:
         request by now)."""
         cb = self.chunk_blocks
         first = max(t.stored_chunks, -(-self._dropped_blocks(computed) // cb))
+        # vLLM's own sliding-window hit pads nulls up to a window without the tokens it
+        # retains beyond (``window`` counts them), so its table may hold a null after these
         while (
             self.window
             and first < done

@@ -86,7 +86,8 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "per-step save and load do not follow",
         )
     policy = vllm_config.kv_transfer_config.kv_load_failure_policy
-    if type(spec) is SlidingWindowSpec and policy == "recompute":
+    windowed = type(spec) is SlidingWindowSpec
+    if windowed and policy == "recompute":
         raise ConfigError(
             "kv_load_failure_policy",
             policy,
@@ -95,7 +96,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "bring (vLLM holds its null block there), so the recomputed KV and tokens would be "
             "wrong; with 'fail' a failed load fails its request",
         )
-    if policy != "recompute" and type(spec) is not SlidingWindowSpec:
+    elif policy != "recompute" and not windowed:
         log.warning(
             "kvflow: kv_load_failure_policy=%r: a chunk that fails to load fails its request; "
             "set it to 'recompute' to recompute the chunk instead",
