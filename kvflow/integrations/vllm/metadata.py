@@ -19,7 +19,9 @@ __all__ = ["KVFlowConnectorMetadata"]
 @dataclass
 class KVFlowConnectorMetadata(KVConnectorMetadata):
     """One step's plan: the chunks to load into which blocks (``loads``), and the chunks this
-    step completes, to save from which blocks (``saves``)."""
+    step completes, to save from which blocks (``saves``); ``async_loads``: loads to start
+    now for requests vLLM runs only once they are in (one per request)."""
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    async_loads: list[Transfer] = field(default_factory=list)

@@ -21,8 +21,7 @@ A request waiting for device blocks is asked about again at every scheduler step
 answer is reused for ``REUSE_S`` (the pool is asked again after that, or once vLLM's own hit
 changed, or it was scheduled since), so that a queue of waiting requests costs the scheduler no
 pool round trips per step.
-A chunk evicted meanwhile fails its load, and vLLM recomputes it, as after any lookup (with a
-sliding window vLLM fails the request instead, see ``support``: there answers are not reused).
+A chunk evicted meanwhile fails its load, and vLLM recomputes it, as after any lookup.
 
 Sliding-window attention (``window``: the tokens whose blocks vLLM keeps behind a position, its
 own included: the window, and any it retains beyond): vLLM keeps only the blocks the next
@@ -31,9 +30,12 @@ A hit ending at token ``E`` then needs only the chunks that hold a block of the 
 ``E``: every chunk from the first is looked up as without a window, and the hit is the longest
 whose window chunks were all found; those alone are loaded, into the blocks vLLM allocated (the
 null block's places are ``SKIP_BLOCK``), and the chunks before them count as computed without
-being moved. A chunk is saved only while vLLM still holds all its
-blocks: one that a chunked prefill completes after the window left its first block is not
-(a later lookup needs it only for hits ending within a window of it).
+being moved. Such loads are asynchronous for vLLM (``async_loads``): planned when vLLM allocates
+the blocks, started by the next step, and the request runs once they are in. vLLM recomputes a
+failed synchronous load from its first failed block, whose window the load did not bring; a
+failed asynchronous one it recomputes from the first token. A chunk is saved only while vLLM
+still holds all its blocks: one that a chunked prefill completes after the window left its first
+block is not (a later lookup needs it only for hits ending within a window of it).
 
 Lookups, loads and saves that start after a prompt's first chunk (after what vLLM's cache holds,
 or at the new chunks) name the chunks before them too (``preceding``): the pool touches those
@@ -91,6 +93,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     stored_chunks: int = 0  # chunks [0, stored_chunks) need no save
     answer: tuple[int, float, _Hit | None] | None = None  # last lookup: num_computed, when, hit
+    load_failed: bool = False  # an asynchronous load failed: vLLM recomputes, no hit again
 
 
 class _Seen:
@@ -155,6 +158,7 @@ class ChunkPlanner:
         self._tracked: dict[str, _Tracked] = {}
         self._hits: dict[str, _Hit] = {}  # found by the lookup
         self._loads: dict[str, _Hit] = {}  # allocated: load in the next step
+        self._async_loads: list[Transfer] = []  # allocated, asynchronous: start at the next step
         self._seen = _Seen(seen_limit, clock)
         self._clock = clock
 
@@ -204,11 +208,10 @@ class ChunkPlanner:
         its end)."""
         t = self._tracked.setdefault(req_id, _Tracked(block_hashes, prompt_tokens))
         self._hits.pop(req_id, None)
-        if not self._load or num_computed % self.block_size:
+        if not self._load or num_computed % self.block_size or t.load_failed:
             return 0
         now = self._clock()
-        reuse_s = 0.0 if self.window else REUSE_S  # windowed: a chunk gone fails the request
-        if t.answer is not None and t.answer[0] == num_computed and now - t.answer[1] < reuse_s:
+        if t.answer is not None and t.answer[0] == num_computed and now - t.answer[1] < REUSE_S:
             hit = t.answer[2]
             if hit is None:
                 return 0
@@ -233,8 +236,13 @@ class ChunkPlanner:
         t.answer = (num_computed, now, self._hits[req_id])
         return (first + hits) * self.chunk_tokens - num_computed
 
-    def allocated(self, req_id: str, num_external_tokens: int) -> None:
-        """vLLM allocated blocks for ``num_external_tokens`` of the hit (0: it loads nothing)."""
+    def allocated(
+        self, req_id: str, num_external_tokens: int, block_ids: Sequence[int] = ()
+    ) -> None:
+        """vLLM allocated blocks for ``num_external_tokens`` of the hit (0: it loads nothing).
+        With ``async_loads``, ``block_ids`` is the request's whole block table: the load is
+        planned now (vLLM runs the request only once it is in), ``take_async_loads`` hands it
+        to the next step."""
         hit = self._hits.pop(req_id, None)
         if hit is None or num_external_tokens <= 0:
             return
@@ -245,8 +253,34 @@ class ChunkPlanner:
             (held * self.block_size + num_external_tokens) // self.chunk_tokens,
         )
         first = max(hit.first, self._window_chunk(end))
-        if end > first:
-            self._loads[req_id] = _Hit(first, end - first, max(0, held - first * cb))
+        if end <= first:
+            return
+        skip = max(0, held - first * cb)
+        if not self.async_loads:
+            self._loads[req_id] = _Hit(first, end - first, skip)
+            return
+        t = self._tracked[req_id]
+        t.block_ids = list(block_ids)
+        self._async_loads.append(self._transfer(req_id, t, t.block_hashes(), first, end, skip=skip))
+        t.stored_chunks = max(t.stored_chunks, end)
+
+    @property
+    def async_loads(self) -> bool:
+        """Whether loads are asynchronous for vLLM (with a sliding window): it runs a request
+        only once its load is in, and a failed one is recomputed from its first token."""
+        return bool(self.window)
+
+    def take_async_loads(self) -> list[Transfer]:
+        """The asynchronous loads planned since the last call."""
+        out, self._async_loads = self._async_loads, []
+        return out
+
+    def load_failed(self, req_id: str) -> None:
+        """The asynchronous load of ``req_id`` failed: vLLM computes the request from its first
+        token, so its later lookups find nothing and its chunks are saved again."""
+        t = self._tracked.get(req_id)
+        if t is not None:
+            t.load_failed, t.stored_chunks, t.answer = True, 0, None
 
     def step(
         self,

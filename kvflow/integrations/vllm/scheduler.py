@@ -3,7 +3,10 @@
 It decides hits and plans each step's transfers, and moves no bytes: per waiting request, one
 batched pool lookup of the request's own block hashes, for every tensor-parallel rank at once
 (``get_num_new_matched_tokens``); per step, the loads and saves of every scheduled request
-(``build_connector_meta``), planned by ``planner.ChunkPlanner``, for the workers.
+(``build_connector_meta``), planned by ``planner.ChunkPlanner``, for the workers. With a sliding
+window the loads are asynchronous for vLLM: planned when it allocates the blocks
+(``update_state_after_alloc``), and a request whose load a worker reports failed
+(``update_connector_output``) is computed whole, with no hit again.
 
 Concurrency: vLLM calls it from its scheduler loop, one thread. A lookup runs on a helper
 thread and is waited for at most ``lookup_timeout_s``: a lookup that fails or times out is a
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +31,9 @@ from kvflow.integrations.vllm.pools import open_pool
 from kvflow.stores.base import SupportsPrefixContext
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from kvflow.integrations.vllm.caches import CacheGroup
@@ -101,10 +107,20 @@ class KVFlowConnectorScheduler:
         if self._asked > asked:  # the pool was asked
             with self._stats.update() as stats:
                 stats.record_lookup((self._asked - asked) * self.group.chunk_tokens, tokens)
-        return tokens, False
+        return tokens, tokens > 0 and self._planner.async_loads
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
-        self._planner.allocated(request.request_id, num_external_tokens)
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids: Sequence[int] = ()
+        if self._planner.async_loads and num_external_tokens > 0:
+            (block_ids,) = blocks.get_block_ids()
+        self._planner.allocated(request.request_id, num_external_tokens, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' asynchronous loads that failed: vLLM recomputes those requests."""
+        for req_id in connector_output.failed_recving or ():
+            self._planner.load_failed(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFlowConnectorMetadata:
         begun = trace.now() if trace.ENABLED else 0
@@ -134,7 +150,9 @@ class KVFlowConnectorScheduler:
                 )
             )
         loads, saves = self._planner.step(scheduled)
-        return KVFlowConnectorMetadata(loads=loads, saves=saves)
+        return KVFlowConnectorMetadata(
+            loads=loads, saves=saves, async_loads=self._planner.take_async_loads()
+        )
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._planner.finished(request.request_id)

@@ -5,16 +5,11 @@ Handled: one KV cache group of full attention (``FullAttentionSpec``; also the f
 the sliding-window layers of a model that mixes them with full ones while its hybrid KV cache
 manager is off: it then keeps every block), sliding-window attention (``SlidingWindowSpec``,
 every layer with the same window, as Mistral's: the chunks of a hit's window are loaded, see
-``planner``; ``kv_load_failure_policy="fail"``, below) or MLA (``MLAAttentionSpec``); tensor
-parallelism; speculative decoding whose proposer has no KV cache of its own (n-gram, suffix,
-Medusa, MLP speculator): the prompt KV is the target model's alone, which drafting does not
-change. Refused, with the reason in the message:
+``planner``) or MLA (``MLAAttentionSpec``); tensor parallelism; speculative decoding whose
+proposer has no KV cache of its own (n-gram, suffix, Medusa, MLP speculator): the prompt KV is
+the target model's alone, which drafting does not change. Refused, with the reason in the message:
 
 - several KV cache groups (vLLM's hybrid KV cache manager);
-- sliding-window attention with ``kv_load_failure_policy="recompute"``: vLLM resumes a failed
-  load at its first failed block, and the window before that block was never loaded (vLLM
-  keeps only the hit's last window), so the recomputed KV would be wrong; ``"fail"`` fails the
-  request instead;
 - the other attention kinds (``ChunkedLocalAttentionSpec``, Mamba and the rest): which of their
   blocks vLLM keeps follows rules of their own, which the planner does not know;
 - a hash block size other than the block size;
@@ -86,17 +81,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "per-step save and load do not follow",
         )
     policy = vllm_config.kv_transfer_config.kv_load_failure_policy
-    windowed = type(spec) is SlidingWindowSpec
-    if windowed and policy == "recompute":
-        raise ConfigError(
-            "kv_load_failure_policy",
-            policy,
-            "with sliding-window attention, set it to 'fail': vLLM recomputes a failed load "
-            "from its first failed block, whose window (the blocks before it) the load did not "
-            "bring (vLLM holds its null block there), so the recomputed KV and tokens would be "
-            "wrong; with 'fail' a failed load fails its request",
-        )
-    elif policy != "recompute" and not windowed:
+    if policy != "recompute":
         log.warning(
             "kvflow: kv_load_failure_policy=%r: a chunk that fails to load fails its request; "
             "set it to 'recompute' to recompute the chunk instead",

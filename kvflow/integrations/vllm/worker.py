@@ -10,6 +10,11 @@ each layer of the step's completed chunks to the save as soon as attention wrote
 ``wait_for_save`` ends the step, after which vLLM may reuse its blocks. Chunks that failed to
 load are reported by ``get_block_ids_with_load_errors``.
 
+Asynchronous loads (a sliding window's hits: the plan's ``async_loads``, one per request) start
+with the step's transfers and run on, across steps, for requests vLLM runs only once they are
+in; ``finished_async_loads`` reports, at each step's end, those that ended and those that
+failed (vLLM then computes the request from its first token).
+
 A step that loads and saves stores nothing when its load failed on any tensor-parallel rank
 (its KV may rest on a bad prefix): its save holds the last layer until every rank's load is
 known good, so it cannot commit first.
@@ -76,6 +81,15 @@ class _Step:
         self.ident = id(self)  # the trace's id of the step's load and save spans
 
 
+class _AsyncLoad:
+    """One request's asynchronous load: its handle (None: it could not start) and plan."""
+
+    def __init__(self, handle: SyncLoadHandle | None, transfer: Transfer) -> None:
+        self.handle = handle
+        self.transfer = transfer
+        self.started = time.monotonic()
+
+
 class KVFlowConnectorWorker:
     """The worker side of ``KVFlowConnector``: one worker's loads and saves, step by step."""
 
@@ -88,6 +102,7 @@ class KVFlowConnectorWorker:
         self._copy_cpus: tuple[int, ...] = ()  # set with the KV caches
         self._layer_index: dict[str, int] = {}
         self._step: _Step | None = None
+        self._async: dict[str, _AsyncLoad] = {}  # by request id
         self._load_errors: set[int] = set()
         self._rank = 0
         self._saves_here = True
@@ -178,6 +193,7 @@ class KVFlowConnectorWorker:
         step.load_started = True
         self._begin_load(step)
         self._begin_save(step)
+        self._begin_async_loads(step)
         return step
 
     def _begin_load(self, step: _Step) -> None:
@@ -193,6 +209,50 @@ class KVFlowConnectorWorker:
         if not self.config.use_layerwise:  # everything before the forward
             for layer in range(self.group.num_layers):
                 self._wait_layer(step, layer)
+
+    def _begin_async_loads(self, step: _Step) -> None:
+        """Start the plan's asynchronous loads, each with its prefetch window lifted: no layer
+        wait paces them, ``finished_async_loads`` reads them in later steps."""
+        for t in step.meta.async_loads:
+            handle = None
+            if self._engine is not None:
+                try:
+                    handle = self._engine.start_load(
+                        [(ChunkHashes(t.hashes, t.preceding), np.asarray(t.block_ids))]
+                    )
+                    handle.load_all()
+                except KVFlowError as exc:
+                    log.warning("kvflow: a load of %s did not start: %s", t.req_id, exc)
+                    handle = None
+            self._async[t.req_id] = _AsyncLoad(handle, t)
+
+    def finished_async_loads(self) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous load ended since the last call, and of those the
+        ones whose load failed (any block: vLLM computes them from the first token). A load
+        still running ``op_timeout_s`` after it started is stopped and failed; nothing else
+        here waits."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        now = time.monotonic()
+        for req_id, load in list(self._async.items()):
+            handle = load.handle
+            running = handle is not None and not handle.done()
+            if running and now - load.started < self.config.op_timeout_s:
+                continue
+            del self._async[req_id]
+            finished.add(req_id)
+            if handle is None:
+                result = None
+            elif running:
+                log.warning("kvflow: the load of %s is late; stopped", req_id)
+                self._drop(handle, "load")
+                result = None
+            else:
+                result = self._result(handle, "load")  # out already: no wait
+            planned = np.asarray(load.transfer.block_ids, dtype=np.int64)
+            if self._load_failures(result, planned[planned != SKIP_BLOCK]).size:
+                failed.add(req_id)
+        return finished, failed
 
     def _begin_save(self, step: _Step) -> None:
         if self._engine is None or not step.meta.saves or not self._saves_here:
@@ -334,18 +394,22 @@ class KVFlowConnectorWorker:
         every = [np.asarray(t.block_ids, dtype=np.int64) for t in step.meta.loads]
         planned = np.concatenate(every) if every else np.zeros(0, np.int64)
         planned = planned[planned != SKIP_BLOCK]
-        debug_fail = self.config.debug_fail_loads and self._debug_here
-        if result is None or step.load_failed or debug_fail:
-            failed = planned
-            step.load_failed = True
-        else:
-            failed = result.failed_block_ids
-            step.load_failed = bool(failed.size)
-            if self.config.debug_corrupt_loads and self._debug_here:
-                self._corrupt(planned[~np.isin(planned, failed)])
+        failed = self._load_failures(None if step.load_failed else result, planned)
+        step.load_failed = bool(failed.size)
         self._load_errors.update(failed.tolist())
         if trace.ENABLED:
             trace.async_end("step_load", step.ident, "step", failed_blocks=len(failed))
+
+    def _load_failures(self, result: TransferResult | None, planned: np.ndarray) -> np.ndarray:
+        """The ``planned`` blocks of an ended load that failed, counted in the stats: all of
+        them without a result (or with ``debug_fail_loads``), else those the result names
+        (``debug_corrupt_loads`` then garbles the others)."""
+        if result is None or (self.config.debug_fail_loads and self._debug_here):
+            failed = planned
+        else:
+            failed = result.failed_block_ids
+            if self.config.debug_corrupt_loads and self._debug_here:
+                self._corrupt(planned[~np.isin(planned, failed)])
         with self._stats.update() as stats:
             d = stats.data
             d["loads"] += 1
@@ -353,6 +417,7 @@ class KVFlowConnectorWorker:
             d["loaded_bytes"] += (len(planned) - len(failed)) * self._block_bytes
             d["load_failed_tokens"] += len(failed) * self.group.block_size
             d["load_failed_chunks"] += -(-len(failed) // self.group.chunk_blocks)
+        return failed
 
     def _result(
         self, handle: SyncLoadHandle | SyncSaveHandle | None, what: str
@@ -415,6 +480,10 @@ class KVFlowConnectorWorker:
         return self._stats.take()
 
     def shutdown(self) -> None:
+        for load in self._async.values():
+            if load.handle is not None:
+                load.handle.close()
+        self._async.clear()
         if self._engine is not None:
             self._engine.close()
         if self._store is not None:
