@@ -34,28 +34,25 @@ F32 = {"dtype": "float32"}
 FAIL = {"failure_policy": "fail", "llm": F32}
 
 
-@pytest.fixture(scope="module")
-def mistral(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The random Mistral-style model and its tokenizer."""
-    directory = tmp_path_factory.mktemp("tiny-mistral")
+def build(vllm_python: str, tmp: pytest.TempPathFactory, family: str, layers: int) -> str:
+    """A random model of ``family`` with the window of ``WINDOW`` tokens, and its tokenizer."""
+    directory = tmp.mktemp(f"tiny-{family}")
     subprocess.run(
         [vllm_python, "-m", "kvflow.integrations.vllm.random_model", str(directory),
-         "--family", "mistral", "--layers", "3", "--window", str(WINDOW)],
+         "--family", family, "--layers", str(layers), "--window", str(WINDOW)],
         cwd=REPO, check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     return str(directory)
+
+
+@pytest.fixture(scope="module")
+def mistral(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build(vllm_python, tmp_path_factory, "mistral", layers=3)
 
 
 @pytest.fixture(scope="module")
 def gemma2(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The random Gemma-2-style model (4 layers) and its tokenizer."""
-    directory = tmp_path_factory.mktemp("tiny-gemma2")
-    subprocess.run(
-        [vllm_python, "-m", "kvflow.integrations.vllm.random_model", str(directory),
-         "--family", "gemma2", "--layers", "4", "--window", str(WINDOW)],
-        cwd=REPO, check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    return str(directory)
+    return build(vllm_python, tmp_path_factory, "gemma2", layers=4)
 
 
 @pytest.fixture(scope="module")

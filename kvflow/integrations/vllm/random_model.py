@@ -51,22 +51,13 @@ def build(directory: str, *, family: str = "llama", layers: int = 4, hidden: int
     out.mkdir(parents=True, exist_ok=True)
     _tokenizer().save_pretrained(out)
     torch.manual_seed(seed)
+    shape: dict[str, Any] = {"layers": layers, "hidden": hidden, "heads": heads, "dtype": dtype}
     if family == "llama":
-        model = _llama(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, dtype=dtype)
+        model = _llama(**shape, kv_heads=kv_heads)
     elif family in ("mistral", "gemma2"):
-        make = _mistral if family == "mistral" else _gemma2
-        model = make(
-            layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, window=window, dtype=dtype
-        )
+        model = _windowed(family, **shape, kv_heads=kv_heads, window=window)
     else:
-        model = _deepseek(
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            kv_lora_rank=kv_lora_rank,
-            rope_dim=rope_dim,
-            dtype=dtype,
-        )
+        model = _deepseek(**shape, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     marker = {"family": family, "layers": layers, "dtype": dtype}
     if family in ("mistral", "gemma2"):
@@ -106,53 +97,33 @@ def _llama(*, layers: int, hidden: int, heads: int, kv_heads: int, dtype: str) -
     return LlamaForCausalLM(config)
 
 
-def _mistral(
-    *, layers: int, hidden: int, heads: int, kv_heads: int, window: int, dtype: str
+def _windowed(
+    family: str, *, layers: int, hidden: int, heads: int, kv_heads: int, window: int, dtype: str
 ) -> Any:
-    """Weights drawn wider than transformers' default (std 0.1), as DeepSeek's below: the next
-    token then depends on the context, so KV loaded wrong shows in the tokens."""
-    from transformers import MistralConfig, MistralForCausalLM
+    """Mistral's weights are drawn wider than transformers' default (std 0.1), as DeepSeek's
+    below: the next token then depends on the context, so KV loaded wrong shows in the tokens.
+    Gemma 2 keeps the default: with wider ones its soft-capped logits saturate, and every
+    prompt gives the same token."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        sliding_window=window,
-        initializer_range=0.1,
-        max_position_embeddings=8192,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype=dtype,
-    )
-    return MistralForCausalLM(config)
-
-
-def _gemma2(*, layers: int, hidden: int, heads: int, kv_heads: int, window: int, dtype: str) -> Any:
-    """transformers' default weights (with wider ones Gemma's soft-capped logits saturate and
-    every prompt gives the same token)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        query_pre_attn_scalar=hidden // heads,
-        sliding_window=window,
-        max_position_embeddings=8192,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        torch_dtype=dtype,
-    )
-    return Gemma2ForCausalLM(config)
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "sliding_window": window,
+        "max_position_embeddings": 8192,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": dtype,
+    }
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, initializer_range=0.1))
+    gemma = Gemma2Config(**common, query_pre_attn_scalar=hidden // heads, pad_token_id=0)
+    return Gemma2ForCausalLM(gemma)
 
 
 def _deepseek(
