@@ -12,7 +12,9 @@ the shared pool it starts itself, here on a private socket via ``KVFLOW_POOL_SOC
 (vLLM's, on a master of its own) and ``kvflow_two_servers`` (two servers on one kvflow pool;
 requests alternate between them: a conversation's next turn goes to the other server). Rows
 run on request only: ``kvflow_chunkN``, the ``kvflow`` row with chunks of ``N`` tokens
-(``chunk_blocks`` = N / block size) instead of the default.
+(``chunk_blocks`` = N / block size) instead of the default; ``floor``, vLLM's prefix cache alone
+with device KV for the whole working set and every running request beside it (what any
+connector could at best give: every prefix a device hit).
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -26,8 +28,8 @@ workload: mean, median and p99 TTFT over all repeats' requests, output throughpu
 repeats), tokens the connector provided (``vllm:external_prefix_cache_hits_total``), per repeat
 how many requests gave other tokens than the ``prefix_cache`` row and than the
 ``mooncake_store_connector`` row on the same prompt, and per-repeat ratios (median over
-repeats) of mean TTFT, p99 TTFT and throughput against ``mooncake_store_connector`` and
-against ``prefix_cache``.
+repeats) of mean TTFT, p99 TTFT and throughput against ``mooncake_store_connector``, against
+``prefix_cache`` and (in the JSON) against ``floor``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ ROWS = (
     "mooncake_store_connector",
     "kvflow_two_servers",
 )
+ON_REQUEST = ("floor",)  # rows run only when named, besides kvflow_chunkN
 CHUNK_ROW = re.compile(r"kvflow_chunk([1-9][0-9]*)")  # kvflow with chunks of that many tokens
 WORKLOADS = ("bench", "chat")
 VOCAB = 1024  # the random model's
@@ -111,6 +114,13 @@ class Shape:
         )
         chat = self.system_len + self.conversations * (last - self.system_len)
         return {"device": self.num_blocks * self.block, "bench": bench, "chat": chat}
+
+    def floor_blocks(self) -> int:
+        """Device KV for the ``floor`` row: either workload's working set, and the blocks of
+        every request it can run at once beside it."""
+        most = max(self.working_set()["bench"], self.working_set()["chat"])
+        per_request = -(-self.max_model_len // self.block)
+        return -(-most // self.block) + self.concurrency * per_request
 
 
 FULL = Shape(
@@ -159,7 +169,7 @@ def start_rows(
             transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
         args = serve_args(
             block_size=shape.block,
-            num_blocks=shape.num_blocks,
+            num_blocks=shape.floor_blocks() if row == "floor" else shape.num_blocks,
             max_model_len=shape.max_model_len,
             max_num_seqs=shape.concurrency,
             kv_transfer_config=transfer,
@@ -424,7 +434,7 @@ def summarize(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
                     rows, row, "mooncake_store_connector"
                 ),
             }
-            for ref in ("mooncake_store_connector", "prefix_cache"):
+            for ref in ("mooncake_store_connector", "prefix_cache", "floor"):
                 if ref in rows and ref != row:
                     for what, measure in RATIOS.items():
                         ratio = paired_ratio(runs, rows[ref], measure)
@@ -542,13 +552,13 @@ def main() -> int:
     shape = QUICK if args.quick else FULL
     unknown = sorted(
         row
-        for row in set(rows) - set(ROWS)
+        for row in set(rows) - set(ROWS) - set(ON_REQUEST)
         if not (m := CHUNK_ROW.fullmatch(row)) or int(m[1]) % shape.block
     )
     if unknown:
         parser.error(
-            f"unknown rows {unknown}; known: {', '.join(ROWS)}, and kvflow_chunkN for N a "
-            f"multiple of the block size {shape.block}"
+            f"unknown rows {unknown}; known: {', '.join(ROWS + ON_REQUEST)}, and kvflow_chunkN "
+            f"for N a multiple of the block size {shape.block}"
         )
     from kvflow.integrations.vllm.random_model import build
 
