@@ -13,9 +13,6 @@ pool's request counter before the first batch, after each batch, and once more a
 vLLM's counters after the last batch (``LLM.get_metrics``, summed over labels), such as
 ``vllm:spec_decode_num_draft_tokens``. With ``force_prefix_caching`` (true), vLLM's prefix cache
 stays on where its CPU platform turns it off (MLA models), as a reference for connector hits.
-With ``force_hybrid`` (true), vLLM's hybrid KV cache manager stays on where its CPU platform
-turns it off (``support_hybrid_kv_cache``): a model mixing attention kinds gets a KV cache group
-per kind (run it with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one process).
 """
 
 from __future__ import annotations
@@ -52,10 +49,6 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
     if args.get("force_prefix_caching"):
         _force_prefix_caching()
         kwargs["enable_prefix_caching"] = True
-    if args.get("force_hybrid"):
-        from vllm.platforms.cpu import CpuPlatform
-
-        CpuPlatform.support_hybrid_kv_cache = classmethod(lambda cls: True)  # type: ignore[method-assign]
     started = time.monotonic()
     llm = LLM(**kwargs)
     ready_s = time.monotonic() - started

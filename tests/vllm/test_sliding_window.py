@@ -5,8 +5,9 @@ puts its null block (block 0) in the block table for the others, so a hit needs,
 moves, only the chunks of the window before the hit's end; the chunks before count as computed.
 
 And a random Gemma-2-style model (sliding-window and full layers alternating): with vLLM's
-hybrid KV cache manager off, as with any connector that does not support it, every layer gets
-full attention's cache, every block is kept, and a hit loads every chunk.
+hybrid KV cache manager turned off (``disable_hybrid_kv_cache_manager``), every layer gets full
+attention's cache, every block is kept, and a hit loads every chunk (with the manager on, as
+vLLM runs it by default with this connector: ``test_hybrid.py``).
 
 Blocks of 32 tokens. Prompts: A (600 tokens), B (A's first 400, then its own), L (800). With a
 sliding window the loads are asynchronous for vLLM: a failed one is recomputed from the first
@@ -31,6 +32,7 @@ A = _tokens(600, 21)
 B = A[:400] + _tokens(200, 22)
 L = _tokens(800, 23)
 F32 = {"dtype": "float32"}
+ONE_GROUP = {**F32, "disable_hybrid_kv_cache_manager": True}
 FAIL = {"failure_policy": "fail", "llm": F32}
 
 
@@ -139,18 +141,20 @@ def test_a_chunk_whose_first_blocks_left_the_window_is_not_saved_and_not_needed(
 def test_sliding_and_full_layers_mixed_load_every_chunk(
     vllm: VllmRun, gemma2: str, pool_dir: str
 ) -> None:
-    """Gemma 2's mix, in one full-attention group: cold saves A and B, warm hits 576 tokens of
-    each and loads all of them, with the tokens of vLLM without the connector (the default
-    ``kv_load_failure_policy``, recompute, is accepted: vLLM keeps every block)."""
-    plain = tokens(vllm([A, L], model=gemma2, llm=F32))
+    """Gemma 2's mix, in one full-attention group (the hybrid manager off): cold saves A and
+    B, warm hits 576 tokens of each and loads all of them, with the tokens of vLLM without the
+    connector (the default ``kv_load_failure_policy``, recompute, is accepted: vLLM keeps every
+    block)."""
+    plain = tokens(vllm([A, L], model=gemma2, llm=ONE_GROUP))
     assert plain[0] != plain[1]
     config = extra(pool_dir, chunk_blocks=2)
-    cold = vllm([A, L], model=gemma2, extra=config, llm=F32)
+    cold = vllm([A, L], model=gemma2, extra=config, llm=ONE_GROUP)
     assert "hybrid kv cache manager" in cold["log"].lower()  # turned off: one group
+    assert "kvflow: 2 KV cache groups" not in cold["log"]
     assert cached(cold) == [0, 0]
     assert tokens(cold) == plain
 
-    warm = vllm([A, L], model=gemma2, extra=config, llm=F32, counters=True)
+    warm = vllm([A, L], model=gemma2, extra=config, llm=ONE_GROUP, counters=True)
     assert cached(warm) == [576, 768]
     assert tokens(warm) == plain
     assert counter(warm, "loaded_tokens") == 576 + 768

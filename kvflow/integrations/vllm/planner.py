@@ -67,13 +67,15 @@ SEEN_LIMIT = 1 << 16  # chunk hashes remembered, by default
 class Transfer:
     """One request's part of a step's load or save: chunk hashes and their blocks in order,
     from chunk ``first_chunk``; ``preceding``: the hashes of the prompt's chunks before it
-    (``kvflow.ChunkHashes.preceding``: not moved, they order the pool's eviction)."""
+    (``kvflow.ChunkHashes.preceding``: not moved, they order the pool's eviction); ``group``:
+    the KV cache group (vLLM's hybrid KV cache manager gives each its layers and blocks)."""
 
     req_id: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     first_chunk: int
     preceding: tuple[bytes, ...] = ()
+    group: int = 0  # vLLM's KV cache group whose layers and blocks these are
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ class _Tracked:
     prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     stored_chunks: int = 0  # chunks [0, stored_chunks) need no save
-    answer: tuple[int, float, _Hit | None] | None = None  # last lookup: num_computed, when, hit
+    # the last lookup: num_computed, when, its first chunk and what it found (None: nothing asked)
+    answer: tuple[int, float, int, np.ndarray | None] | None = None
     load_failed: bool = False  # an asynchronous load failed: vLLM recomputes, no hit again
 
 
@@ -146,6 +149,8 @@ class ChunkPlanner:
         load: bool = True,
         save: bool = True,
         window: int = 0,
+        async_loads: bool | None = None,
+        group: int = 0,
         seen_limit: int = SEEN_LIMIT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -153,6 +158,8 @@ class ChunkPlanner:
         self.chunk_blocks = chunk_blocks
         self.chunk_tokens = block_size * chunk_blocks
         self.window = window
+        self.group = group
+        self._async = bool(window) if async_loads is None else async_loads
         self._lookup = lookup
         self._load, self._save = load, save
         self._tracked: dict[str, _Tracked] = {}
@@ -180,10 +187,12 @@ class ChunkPlanner:
         block."""
         return self._dropped_blocks(end * self.chunk_tokens) // self.chunk_blocks
 
-    def _hit_end(self, found: np.ndarray, first: int) -> int:
-        """The last chunk end ``E`` in ``(first, first + len(found)]`` such that every chunk
-        from ``max(first, window chunk of E)`` to ``E`` was found (``found[i]``: chunk
-        ``first + i``); ``first`` when there is none."""
+    def _hit_end(self, found: np.ndarray, first: int, limit: int | None = None) -> int:
+        """The last chunk end ``E`` in ``(first, first + len(found)]`` (and at most ``limit``)
+        such that every chunk from ``max(first, window chunk of E)`` to ``E`` was found
+        (``found[i]``: chunk ``first + i``); ``first`` when there is none."""
+        if limit is not None:
+            found = found[: max(0, limit - first)]
         misses = np.flatnonzero(~found)
         if not self.window or not misses.size:  # the leading run of found chunks, in NumPy
             return first + (int(misses[0]) if misses.size else int(found.size))
@@ -201,40 +210,43 @@ class ChunkPlanner:
         block_hashes: Callable[[], Sequence[bytes]],
         prompt_tokens: int,
         num_computed: int,
+        limit: int | None = None,
     ) -> int:
         """Tokens beyond ``num_computed`` the pool can provide: a run of whole chunks from the one
         that holds token ``num_computed`` (which must start a block), ending before the last
         prompt token (with a sliding window, the run needs only the chunks of the window before
-        its end)."""
+        its end), and at chunk ``limit`` at the latest (given: the last answer is reused)."""
         t = self._tracked.setdefault(req_id, _Tracked(block_hashes, prompt_tokens))
         self._hits.pop(req_id, None)
         if not self._load or num_computed % self.block_size or t.load_failed:
             return 0
         now = self._clock()
-        if t.answer is not None and t.answer[0] == num_computed and now - t.answer[1] < REUSE_S:
-            hit = t.answer[2]
-            if hit is None:
-                return 0
-            self._hits[req_id] = hit
-            return (hit.first + hit.chunks) * self.chunk_tokens - num_computed
-        t.answer = (num_computed, now, None)
-        hashes = block_hashes()
+        fresh = t.answer is not None and now - t.answer[1] < REUSE_S
+        if t.answer is None or t.answer[0] != num_computed or not (fresh or limit is not None):
+            t.answer = (num_computed, now, *self._ask(block_hashes(), prompt_tokens, num_computed))
+        first, found = t.answer[2], t.answer[3]
+        hits = 0 if found is None else self._hit_end(found, first, limit) - first
+        if not hits:
+            return 0
+        skip = num_computed // self.block_size - first * self.chunk_blocks
+        self._hits[req_id] = _Hit(first, hits, skip)
+        return (first + hits) * self.chunk_tokens - num_computed
+
+    def _ask(
+        self, hashes: Sequence[bytes], prompt_tokens: int, num_computed: int
+    ) -> tuple[int, np.ndarray | None]:
+        """Look up the chunks a hit after ``num_computed`` tokens may take: the first of them,
+        and per chunk whether it was found (None: none to ask)."""
         first = num_computed // self.chunk_tokens
         end = min((prompt_tokens - 1) // self.chunk_tokens, len(hashes) // self.chunk_blocks)
         if end <= first:
-            return 0
+            return first, None
         asked = self.chunk_hashes(hashes, first, end)
         preceding = self.chunk_hashes(hashes, 0, first)
         found = np.asarray(self._lookup(list(asked), list(preceding)), dtype=bool)
         self._seen.add(h for h, f in zip(asked, found, strict=True) if f)
         self._seen.discard(h for h, f in zip(asked, found, strict=True) if not f)
-        hits = self._hit_end(found, first) - first
-        if not hits:
-            return 0
-        skip = num_computed // self.block_size - first * self.chunk_blocks
-        self._hits[req_id] = _Hit(first, hits, skip)
-        t.answer = (num_computed, now, self._hits[req_id])
-        return (first + hits) * self.chunk_tokens - num_computed
+        return first, found
 
     def allocated(
         self, req_id: str, num_external_tokens: int, block_ids: Sequence[int] = ()
@@ -266,9 +278,9 @@ class ChunkPlanner:
 
     @property
     def async_loads(self) -> bool:
-        """Whether loads are asynchronous for vLLM (with a sliding window): it runs a request
-        only once its load is in, and a failed one is recomputed from its first token."""
-        return bool(self.window)
+        """Whether loads are asynchronous for vLLM (by default with a sliding window): it runs a
+        request only once its load is in, and a failed one is recomputed from its first token."""
+        return self._async
 
     def take_async_loads(self) -> list[Transfer]:
         """The asynchronous loads planned since the last call."""
@@ -381,4 +393,5 @@ class ChunkPlanner:
             (SKIP_BLOCK,) * skip + tuple(blocks[skip:]),
             first,
             self.chunk_hashes(hashes, 0, first),
+            self.group,
         )

@@ -3,10 +3,11 @@
 It decides hits and plans each step's transfers, and moves no bytes: per waiting request, one
 batched pool lookup of the request's own block hashes, for every tensor-parallel rank at once
 (``get_num_new_matched_tokens``); per step, the loads and saves of every scheduled request
-(``build_connector_meta``), planned by ``planner.ChunkPlanner``, for the workers. With a sliding
-window the loads are asynchronous for vLLM: planned when it allocates the blocks
-(``update_state_after_alloc``), and a request whose load a worker reports failed
-(``update_connector_output``) is computed whole, with no hit again.
+(``build_connector_meta``), planned by ``planner.ChunkPlanner``, for the workers; with several KV
+cache groups (vLLM's hybrid KV cache manager), one planner per group (``groups.GroupPlanner``).
+With a sliding window or several groups the loads are asynchronous for vLLM: planned when it
+allocates the blocks (``update_state_after_alloc``), and a request whose load a worker reports
+failed (``update_connector_output``) is computed whole, with no hit again.
 
 Concurrency: vLLM calls it from its scheduler loop, one thread. A lookup runs on a helper
 thread and is waited for at most ``lookup_timeout_s``: a lookup that fails or times out is a
@@ -24,6 +25,7 @@ import numpy as np
 
 from kvflow import trace
 from kvflow.bounded import BoundedCaller
+from kvflow.integrations.vllm.groups import GroupPlanner
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.integrations.vllm.metrics import KVFlowConnectorStats, StatsInterval
 from kvflow.integrations.vllm.planner import ChunkPlanner
@@ -47,39 +49,50 @@ log = logging.getLogger("kvflow")
 class KVFlowConnectorScheduler:
     """The scheduler side of ``KVFlowConnector``: the pool lookups and the step plans."""
 
-    def __init__(self, config: ConnectorConfig, group: CacheGroup) -> None:
+    def __init__(self, config: ConnectorConfig, groups: Sequence[CacheGroup]) -> None:
         self.config = config
-        self.group = group
+        self.group = groups[0]
         self._store = open_pool(config, scheduler=True)
-        ranks = [0] if group.mla else list(range(group.tp_size))
-        self._spaces = [group.keyspace(r) for r in ranks]
-        self._planner = ChunkPlanner(
-            block_size=group.block_size,
-            chunk_blocks=group.chunk_blocks,
-            lookup=self._lookup,
-            load=config.load,
-            save=config.save,
-            window=group.window,
-            # twice the chunks vLLM's cache holds: those it can serve, and recent others
-            seen_limit=2 * group.num_blocks // group.chunk_blocks,
+        ranks = [0] if self.group.mla else list(range(self.group.tp_size))
+        # per group, its keys on every rank
+        self._spaces = [[group.keyspace(r) for r in ranks] for group in groups]
+        several = len(groups) > 1
+        self._planner = GroupPlanner(
+            [
+                ChunkPlanner(
+                    block_size=group.block_size,
+                    chunk_blocks=group.chunk_blocks,
+                    lookup=functools.partial(self._lookup, g),
+                    load=config.load,
+                    save=config.save,
+                    window=group.window,
+                    async_loads=True if several else None,
+                    group=g,
+                    # twice the chunks vLLM's cache holds: those it can serve, and recent others
+                    seen_limit=2 * group.num_blocks // group.chunk_blocks,
+                )
+                for g, group in enumerate(groups)
+            ]
         )
         self._asked = 0  # chunks looked up, so far
         # one helper thread; while a lookup that timed out still runs, the next ones miss at once
         self._lookups = BoundedCaller("pool lookup", config.lookup_timeout_s, refuse_late=True)
         self._stats = StatsInterval()
 
-    def _lookup(self, hashes: list[bytes], preceding: list[bytes]) -> np.ndarray:
-        """Per chunk: every rank's object stored. One store call for all ranks, bounded by
-        ``lookup_timeout_s``; a failing pool is a miss. ``preceding``: the chunks before
-        (vLLM's cache holds them), named to a pool that orders eviction by prefix."""
+    def _lookup(self, group: int, hashes: list[bytes], preceding: list[bytes]) -> np.ndarray:
+        """Per chunk: every rank's object of ``group`` stored. One store call for all ranks,
+        bounded by ``lookup_timeout_s``; a failing pool is a miss. ``preceding``: the chunks
+        before (vLLM's cache holds them), named to a pool that orders eviction by prefix."""
         if self._store is None or not hashes:
             return np.zeros(len(hashes), dtype=bool)
-        keys = [k for space in self._spaces for k in space.keys(hashes)]
+        spaces = self._spaces[group]
+        keys = [k for space in spaces for k in space.keys(hashes)]
         lookup = self._store.lookup
         if preceding and isinstance(self._store, SupportsPrefixContext):
-            context = [k for space in self._spaces for k in space.keys(preceding)]
+            context = [k for space in spaces for k in space.keys(preceding)]
             lookup = functools.partial(self._store.lookup_with_context, context=context)
-        self._asked += len(hashes)
+        if group == 0:  # the tokens asked: every group asks for the same ones
+            self._asked += len(hashes)
         begun = trace.now() if trace.ENABLED else 0
         try:
             found = self._lookups.call("", lookup, keys)
@@ -91,7 +104,7 @@ class KVFlowConnectorScheduler:
         finally:
             if begun:
                 trace.complete("lookup", begun, "scheduler", chunks=len(hashes))
-        found = np.asarray(found, dtype=bool).reshape(len(self._spaces), len(hashes))
+        found = np.asarray(found, dtype=bool).reshape(len(spaces), len(hashes))
         return np.asarray(found.all(axis=0), dtype=bool)
 
     def get_num_new_matched_tokens(
@@ -112,9 +125,9 @@ class KVFlowConnectorScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_ids: Sequence[int] = ()
+        block_ids: Sequence[Sequence[int]] = ()
         if self._planner.async_loads and num_external_tokens > 0:
-            (block_ids,) = blocks.get_block_ids()
+            block_ids = blocks.get_block_ids()  # one list per KV cache group
         self._planner.allocated(request.request_id, num_external_tokens, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -133,7 +146,7 @@ class KVFlowConnectorScheduler:
     def _build_meta(self, scheduler_output: SchedulerOutput) -> KVFlowConnectorMetadata:
         n = scheduler_output.num_scheduled_tokens
         scheduled: list[tuple[str, Any, bool, int, int]] = [
-            (r.req_id, r.block_ids[0], True, r.num_computed_tokens, n.get(r.req_id, 0))
+            (r.req_id, r.block_ids, True, r.num_computed_tokens, n.get(r.req_id, 0))
             for r in scheduler_output.scheduled_new_reqs
         ]
         cached = scheduler_output.scheduled_cached_reqs
@@ -143,7 +156,7 @@ class KVFlowConnectorScheduler:
             scheduled.append(
                 (
                     req_id,
-                    new_ids[0] if new_ids is not None else None,
+                    new_ids,
                     resumed,
                     cached.num_computed_tokens[i],
                     n.get(req_id, 0),

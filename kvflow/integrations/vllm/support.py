@@ -1,15 +1,18 @@
 """What the vLLM connector handles, checked once when vLLM builds it: a configuration it cannot
 serve correctly is refused at start with a ConfigError, never discovered by failing requests.
 
-Handled: one KV cache group of full attention (``FullAttentionSpec``; also the form vLLM gives
+Handled: KV cache groups of full attention (``FullAttentionSpec``; also the form vLLM gives
 the sliding-window layers of a model that mixes them with full ones while its hybrid KV cache
 manager is off: it then keeps every block), sliding-window attention (``SlidingWindowSpec``,
-every layer with the same window, as Mistral's: the chunks of a hit's window are loaded, see
-``planner``) or MLA (``MLAAttentionSpec``); tensor parallelism; speculative decoding whose
+every layer of the group with the same window, as Mistral's: the chunks of a hit's window are
+loaded, see ``planner``) or MLA (``MLAAttentionSpec``); several groups (vLLM's hybrid KV cache
+manager, as Gemma 2's sliding and full layers: see ``groups``) of those kinds, with one block
+size, MLA in all of them or none; tensor parallelism; speculative decoding whose
 proposer has no KV cache of its own (n-gram, suffix, Medusa, MLP speculator): the prompt KV is
 the target model's alone, which drafting does not change. Refused, with the reason in the message:
 
-- several KV cache groups (vLLM's hybrid KV cache manager);
+- groups of several block sizes (a hit ends at a chunk boundary in every group), or MLA beside
+  other attention;
 - the other attention kinds (``ChunkedLocalAttentionSpec``, Mamba and the rest): which of their
   blocks vLLM keeps follows rules of their own, which the planner does not know;
 - a hash block size other than the block size;
@@ -49,18 +52,33 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     warn where vLLM's own setting makes a failed load fail its request."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    groups = len(kv_cache_config.kv_cache_groups)
-    if groups != 1:
-        raise ConfigError("kv_cache_groups", groups, "kvflow's connector handles one group")
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec):
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    if not specs:
+        raise ConfigError("kv_cache_groups", 0, "vLLM gave no KV cache group")
+    for spec in specs:
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec):
+            raise ConfigError(
+                "kv_cache_spec",
+                type(spec).__name__,
+                "kvflow's connector handles full attention, sliding-window attention and MLA; "
+                "which blocks vLLM keeps for this attention follows rules kvflow does not know "
+                "(chunked-local attention, Mamba and the other kinds are not supported)",
+            )
+    sizes = sorted({int(spec.block_size) for spec in specs})
+    if len(sizes) > 1:
         raise ConfigError(
-            "kv_cache_spec",
-            type(spec).__name__,
-            "kvflow's connector handles full attention, sliding-window attention and MLA; "
-            "which blocks vLLM keeps for this attention follows rules kvflow does not know "
-            "(chunked-local attention, Mamba and the other kinds are not supported)",
+            "kv_cache_groups",
+            f"block sizes {sizes}",
+            "kvflow's connector needs one block size in every group (a hit ends at a chunk "
+            "boundary in each)",
         )
+    if len({isinstance(spec, MLAAttentionSpec) for spec in specs}) > 1:
+        raise ConfigError(
+            "kv_cache_groups",
+            [type(spec).__name__ for spec in specs],
+            "kvflow's connector handles MLA in every group or in none",
+        )
+    spec = specs[0]
     hash_block = getattr(kv_cache_config, "hash_block_size", None) or spec.block_size
     if hash_block != spec.block_size:
         raise ConfigError("hash_block_size", hash_block, f"must equal block_size={spec.block_size}")

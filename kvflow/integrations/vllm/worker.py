@@ -29,6 +29,7 @@ vLLM may reuse the blocks it would touch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import time
@@ -110,8 +111,15 @@ class KVFlowConnectorWorker:
         self._debug_here = True  # the debug hooks act in this worker (config.debug_rank)
         self._last_layer = -1
         self._stats = StatsInterval()
+        self._owns_store = True
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        open_store: Callable[..., Store | None] | None = None,
+    ) -> None:
+        """The group's layers' tensors. ``open_store(device=, copy_cpus=)``: the pool, when
+        another owns it (several groups share one); else the worker opens and closes its own."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         tp_rank = get_tensor_model_parallel_rank()
@@ -136,9 +144,9 @@ class KVFlowConnectorWorker:
                 self.group.tp_size,
                 list(self._copy_cpus),
             )
-        self._store = open_pool(
-            self.config, scheduler=False, device=layout.device, copy_cpus=self._copy_cpus
-        )
+        self._owns_store = open_store is None
+        opener = open_store or functools.partial(open_pool, self.config, scheduler=False)
+        self._store = opener(device=layout.device, copy_cpus=self._copy_cpus)
         if self._store is None:
             return
         engine_config = self.config.engine_config(
@@ -486,6 +494,6 @@ class KVFlowConnectorWorker:
         self._async.clear()
         if self._engine is not None:
             self._engine.close()
-        if self._store is not None:
+        if self._store is not None and self._owns_store:
             self._store.close()
-            self._store = None
+        self._store = None
