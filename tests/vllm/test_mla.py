@@ -77,6 +77,7 @@ def test_mla_cold_warm_partial_and_failed_loads(
     cold = vllm([A], model=mla_model, extra=extra, llm=F32)
     assert "Using CPU_MLA backend" in cold["log"]
     assert "kvflow: worker connector on the shared pool" in cold["log"]
+    assert "kvflow: MLA on vLLM's CPU platform" in cold["log"]
     assert cached(cold) == [0]
     assert tokens(cold) == tokens(ref)[:1]  # A without a hit: as computed whole
     assert objects(pool_dir) == MLA_CHUNKS

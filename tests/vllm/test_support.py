@@ -76,6 +76,7 @@ SCRIPT = textwrap.dedent(
             parallel_config=NS(**{**sizes, **parallel}),
             speculative_config=None,
             kv_transfer_config=NS(kv_load_failure_policy=policy),
+            cache_config=NS(enable_prefix_caching=True),
         )
         specs = spec if isinstance(spec, list) else [spec] * groups
         kv_cache_config = NS(

