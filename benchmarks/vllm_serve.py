@@ -25,7 +25,8 @@ that share a system prompt, each turn carrying the previous turns and their answ
 conversations at once. Greedy, ``ignore_eos``, fixed output lengths. Every server starts once;
 each repeat draws new prompts (its own seed) and runs the rows in a balanced order. Per row and
 workload: mean, median and p99 TTFT over all repeats' requests, output throughput (mean over
-repeats), tokens the connector provided (``vllm:external_prefix_cache_hits_total``), per repeat
+repeats), tokens the connector provided (``vllm:external_prefix_cache_hits_total``), vLLM's own
+split of the time to first token (mean queue and prefill time per request), per repeat
 how many requests gave other tokens than the ``prefix_cache`` row and than the
 ``mooncake_store_connector`` row on the same prompt, and per-repeat ratios (median over
 repeats) of mean TTFT, p99 TTFT and throughput against ``mooncake_store_connector``, against
@@ -188,8 +189,18 @@ def start_rows(
     return servers
 
 
-def external_hits(servers: list[Server]) -> float:
-    return sum(s.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for s in servers)
+SERVER_COUNTERS = {  # vLLM's counters a sample reads, summed over the row's servers
+    "hit_tokens": "vllm:external_prefix_cache_hits_total",
+    # per-request phases, seconds summed over the requests that finished: arrival to first
+    # scheduled (waiting for device blocks among others), first scheduled to first token
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+}
+
+
+def server_counters(servers: list[Server]) -> dict[str, float]:
+    scraped = [s.metrics() for s in servers]
+    return {k: sum(m.get(name, 0.0) for m in scraped) for k, name in SERVER_COUNTERS.items()}
 
 
 # -- workload: vLLM's client -----------------------------------------------------------------
@@ -386,7 +397,7 @@ def measure(
             for workload in WORKLOADS:
                 for row in order(rows, i):
                     group = servers[row]
-                    before = external_hits(group)
+                    before = server_counters(group)
                     load = os.getloadavg()[0]
                     if workload == "bench":
                         url = (
@@ -397,7 +408,8 @@ def measure(
                         got = run_bench(url, shape, model, seed=1000 + i, work=work)
                     else:
                         got = run_chat([s.url for s in group], shape, seed=2000 + i)
-                    got["hit_tokens"] = external_hits(group) - before
+                    after = server_counters(group)
+                    got.update({k: after[k] - before[k] for k in SERVER_COUNTERS})
                     got["loadavg_1m"] = load
                     got["position"] = order(rows, i).index(row)
                     samples[workload][row].append(got)
@@ -428,6 +440,9 @@ def summarize(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
                 "p99_ttft_ms": 1e3 * float(np.percentile(ttfts, 99)),
                 "output_throughput": statistics.mean(r["output_throughput"] for r in runs),
                 "hit_tokens": sum(r["hit_tokens"] for r in runs),
+                # vLLM's own split of the time to first token, mean over requests
+                "mean_queue_ms": phase_ms(runs, "queue_s", len(ttfts)),
+                "mean_prefill_ms": phase_ms(runs, "prefill_s", len(ttfts)),
                 "failed": sum(r["failed"] for r in runs),
                 "outputs_differing_from_prefix_cache": differing(rows, row, "prefix_cache"),
                 "outputs_differing_from_mooncake_store_connector": differing(
@@ -443,12 +458,19 @@ def summarize(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
     return out
 
 
+def phase_ms(runs: list[dict[str, Any]], key: str, requests: int) -> float | None:
+    """Milliseconds of a request phase per request (None: a run that did not read it)."""
+    if any(key not in r for r in runs):
+        return None
+    return 1e3 * sum(r[key] for r in runs) / requests
+
+
 def differing(rows: dict[str, list[dict[str, Any]]], row: str, name: str) -> list[int] | None:
     """Per repeat: how many of ``row``'s requests gave other tokens than row ``name``'s on the
     same prompt."""
     ref = rows.get(name)
-    if ref is None:
-        return None
+    if ref is None or any("outputs" not in r for r in rows[row] + ref):
+        return None  # no such row, or a JSON kept without the outputs
     return [
         sum(x != y for x, y in zip(a["outputs"], b["outputs"], strict=False))
         + abs(len(a["outputs"]) - len(b["outputs"]))
@@ -480,7 +502,8 @@ def print_table(summary: dict[str, Any]) -> None:
     for workload, table in summary.items():
         print(
             f"{workload:26} {'mean ms':>9} {'median':>9} {'p99':>9} {'out tok/s':>10} "
-            f"{'hit tok':>9} {'mean/msc':>9} {'p99/msc':>8} {'tput/msc':>8} {'mean/pc':>8} "
+            f"{'hit tok':>9} {'queue ms':>9} {'prefill':>8} {'mean/msc':>9} {'p99/msc':>8} "
+            f"{'tput/msc':>8} {'mean/pc':>8} "
             "differing from pc, msc"
         )
         for row, r in table.items():
@@ -489,9 +512,14 @@ def print_table(summary: dict[str, Any]) -> None:
                 v = r.get(key)
                 return f"{v:.3f}" if isinstance(v, float) else "-"
 
+            def ms(key: str, r: dict[str, Any] = r) -> str:
+                v = r.get(key)
+                return f"{v:.1f}" if isinstance(v, float) else "-"
+
             print(
                 f"{row:26} {r['mean_ttft_ms']:9.1f} {r['median_ttft_ms']:9.1f} "
                 f"{r['p99_ttft_ms']:9.1f} {r['output_throughput']:10.1f} {r['hit_tokens']:9.0f} "
+                f"{ms('mean_queue_ms'):>9} {ms('mean_prefill_ms'):>8} "
                 f"{ratio('mean_ttft_over_mooncake_store_connector'):>9} "
                 f"{ratio('p99_ttft_over_mooncake_store_connector'):>8} "
                 f"{ratio('throughput_over_mooncake_store_connector'):>8} "
