@@ -31,7 +31,8 @@ __all__ = ["GroupWorkers"]
 
 
 class GroupWorkers:
-    """One ``KVFlowConnectorWorker`` per KV cache group, behind the one worker's calls."""
+    """One ``KVFlowConnectorWorker`` per KV cache group, behind the one worker's calls. Not
+    thread-safe: vLLM calls it from the model thread, in the worker connector's order."""
 
     def __init__(
         self, config: ConnectorConfig, groups: Sequence[CacheGroup], vllm_config: Any

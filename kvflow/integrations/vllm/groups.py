@@ -32,7 +32,9 @@ Scheduled = tuple[str, Sequence[Sequence[int]] | None, bool, int, int]
 class GroupPlanner:
     """One ``ChunkPlanner`` per KV cache group (``planners[g]``: group ``g``'s, every one with
     the same chunk tokens), and the request-wide decisions: the hit every group has, and the
-    requests to forget."""
+    requests to forget. Not thread-safe: vLLM calls the scheduler side from one thread, and
+    each group's lookup is one bounded pool call (so a request's lookup waits at most the
+    groups' number of ``lookup_timeout_s``)."""
 
     def __init__(self, planners: Sequence[ChunkPlanner]) -> None:
         assert planners, "no KV cache group"

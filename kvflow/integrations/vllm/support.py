@@ -71,7 +71,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "kv_cache_groups",
             f"block sizes {sizes}",
             "kvflow's connector needs one block size in every group (a hit ends at a chunk "
-            "boundary in each)",
+            "boundary in each); vLLM's --disable-hybrid-kv-cache-manager gives one group",
         )
     if len({isinstance(spec, MLAAttentionSpec) for spec in specs}) > 1:
         raise ConfigError(
