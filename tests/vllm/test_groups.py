@@ -270,3 +270,54 @@ def test_a_requests_load_ends_when_every_groups_has_and_fails_when_any_failed(
 
     assert out["bound"] == [[["a", "b"]], [["a", "b"]]]
     assert out["steps"] == [[["b"], []], [["a"], ["a"]]]  # per step: ended, failed
+
+
+ROUTING_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from types import SimpleNamespace as NS
+
+    from kvflow.integrations.vllm import group_workers
+
+    class Worker:  # records what the group's worker is given
+        def __init__(self, config, group, vllm_config):
+            self.layers, self.hooks = [], []
+
+        def register_kv_caches(self, caches, open_store):
+            self.layers = sorted(caches)
+
+        def wait_for_layer_load(self, name):
+            self.hooks.append(["load", name])
+
+        def save_kv_layer(self, name):
+            self.hooks.append(["save", name])
+
+    group_workers.KVFlowConnectorWorker = Worker
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    groups = [NS(layer_names=names[0::2]), NS(layer_names=names[1::2])]  # as Gemma 2's
+    workers = group_workers.GroupWorkers(NS(), groups, NS())
+    workers.register_kv_caches({name: object() for name in names})
+    for name in names + ["model.layers.9.self_attn.attn"]:  # the last in no group
+        workers.wait_for_layer_load(name)
+        workers.save_kv_layer(name)
+    print(json.dumps([[w.layers, w.hooks] for w in workers.workers]))
+    """
+)
+
+
+def test_each_layer_goes_to_its_groups_worker(vllm_python: str) -> None:
+    """``GroupWorkers`` gives each group's worker exactly that group's layers (vLLM's layer
+    names, interleaved as a model that alternates attention kinds), and sends each layer's
+    hooks to that worker only; a layer of no group goes nowhere."""
+    proc = subprocess.run(
+        [vllm_python, "-c", ROUTING_SCRIPT], cwd=REPO, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    for g, (layers, hooks) in enumerate(out):
+        mine = names[g::2]
+        assert layers == mine
+        assert hooks == [[hook, name] for name in mine for hook in ("load", "save")]
