@@ -231,6 +231,8 @@ class KVFlowConnectorWorker:
                     handle.load_all()
                 except KVFlowError as exc:
                     log.warning("kvflow: a load of %s did not start: %s", t.req_id, exc)
+                    if handle is not None:  # started, then not let run: stopped, and failed
+                        self._drop(handle, "asynchronous load")
                     handle = None
             self._async[t.req_id] = _AsyncLoad(handle, t)
 
