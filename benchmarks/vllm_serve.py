@@ -52,7 +52,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from serve_instances import (
+
+from kvflow.stores.mooncake.master import MooncakeMaster
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the serving helpers are shared with the tests
+from tests.support.serve import (  # noqa: E402
     MODEL_NAME,
     Server,
     chunk_tokens,
@@ -65,9 +70,6 @@ from serve_instances import (
     stop_pool,
 )
 
-from kvflow.stores.mooncake.master import MooncakeMaster
-
-REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench-results"
 ROWS = (
     "prefix_cache",

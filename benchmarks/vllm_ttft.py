@@ -60,12 +60,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serve_instances import kvflow_mooncake_extra, mooncake_store_connector_env, order
 from vllm_instance import BLOCK, Instance
 
 from kvflow.stores.mooncake.master import MooncakeMaster
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the serving helpers are shared with the tests
+from tests.support.serve import kvflow_mooncake_extra, mooncake_store_connector_env, order  # noqa: E402
+
 OUT = REPO / "bench-results"
 ROWS = (
     "recompute",

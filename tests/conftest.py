@@ -1,4 +1,11 @@
-"""Shared fixtures: synthetic KV caches on CPU and stores to run them against."""
+"""Shared fixtures: synthetic KV caches on CPU and stores to run them against; and the tiers.
+
+Two tiers. The quick one, the default run, leaves out tests marked ``slow``: those that start
+real vLLM (marked ``vllm`` too) or run for minutes; ``pytest -m slow`` runs them, ``pytest -m
+""`` runs both. A test gets its tier's markers from the fixtures it uses (``MARKS_BY_FIXTURE``),
+so a test that starts vLLM cannot forget its own; and, unless it names its own, its tier's
+per-test timeout (pyproject's ``timeout`` for the quick tier, ``SLOW_TIMEOUT_S`` for the slow).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,32 @@ from hypothesis import settings
 
 import kvflow
 from kvflow.abc import Store
-from tests.pools import STORE_NAMES, dispose, make_store, stop_master, stop_servers
+from tests.support.caches import make_caches
+from tests.support.pools import (
+    STORE_NAMES,
+    close_stores,
+    dispose,
+    make_store,
+    stop_master,
+    stop_servers,
+)
+
+MARKS_BY_FIXTURE = {"vllm_python": ("vllm", "slow")}
+SLOW_TIMEOUT_S = 900  # one slow test: a few vLLM instances on a loaded 2-core machine
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test's tier markers from its fixtures, before ``-m`` selects by them."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        for fixture, marks in MARKS_BY_FIXTURE.items():
+            if fixture in fixtures:
+                for mark in marks:
+                    item.add_marker(mark)
+        if item.get_closest_marker("slow") and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
 
 # property tests check results, not speed: no per-example deadline (a stall of a loaded machine
 # would fail one)
@@ -28,8 +60,10 @@ def _stop_mooncake_master() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _stop_pool_servers() -> Iterator[None]:
-    """Pool servers a test started stop when it ends, whatever happened."""
+    """Stores a test made and pool servers it started are closed and stopped when it ends,
+    whatever happened."""
     yield
+    close_stores()
     stop_servers()
 
 
@@ -50,7 +84,7 @@ def bound_to_one_cpu() -> Iterator[int]:
 
 @pytest.fixture(params=STORE_NAMES)
 def store_name(request: pytest.FixtureRequest) -> str:
-    """Each store engine in turn (``tests.pools.STORE_FACTORIES``)."""
+    """Each store engine in turn (``tests.support.pools.STORE_FACTORIES``)."""
     name: str = request.param
     return name
 
@@ -61,25 +95,6 @@ def pool(store_name: str) -> Iterator[Store]:
     store = make_store(store_name, "64MiB")
     yield store
     dispose(store)
-
-
-def make_caches(
-    num_layers: int = 4,
-    num_blocks: int = 64,
-    block_shape: tuple[int, ...] = (2, 16, 8),
-    dtype: torch.dtype = torch.float16,
-    *,
-    seed: int = 0,
-) -> list[torch.Tensor]:
-    """One ``[num_blocks, *block_shape]`` tensor per layer, filled with random bytes."""
-    gen = torch.Generator().manual_seed(seed)
-    caches = []
-    for _ in range(num_layers):
-        raw = torch.randint(0, 256, (num_blocks, *block_shape), generator=gen, dtype=torch.uint8)
-        nbytes = torch.empty((), dtype=dtype).element_size()
-        shape = (num_blocks, *block_shape[:-1], block_shape[-1] // nbytes)
-        caches.append(raw.view(dtype).reshape(shape) if nbytes > 1 else raw)
-    return caches
 
 
 @pytest.fixture

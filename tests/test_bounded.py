@@ -12,6 +12,7 @@ import pytest
 
 import kvflow
 from kvflow.bounded import BoundedCaller
+from tests.support.threads import start_a_thread
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
@@ -129,15 +130,6 @@ def test_threads_pin_to_cpus_and_threads_they_start_inherit_it() -> None:
         assert sorted(os.sched_getaffinity(0)) == CPUS, "the caller was re-pinned"
     finally:
         calls.shutdown()
-
-
-def start_a_thread() -> list[int]:
-    """The CPUs a thread started from the calling thread may run on."""
-    seen: list[int] = []
-    t = threading.Thread(target=lambda: seen.extend(sorted(os.sched_getaffinity(0))))
-    t.start()
-    t.join(5)
-    return seen
 
 
 def _raise(exc: BaseException) -> None:

@@ -27,8 +27,8 @@ from kvflow.abc import Direction, Store
 from kvflow.devices import CudaDevice, device_ops
 from kvflow.results import ChunkStatus
 from kvflow.stores.copyloop import HOST_MEMCPY_ASYNC, NATIVE, MemcpyAsyncFn, issue_ranges
-from tests.conftest import make_caches
-from tests.pools import ServedSharedStore
+from tests.support.caches import make_caches
+from tests.support.pools import ServedSharedStore
 
 BS = 16
 

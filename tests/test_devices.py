@@ -16,9 +16,9 @@ import torch
 
 import kvflow
 from kvflow.devices import StreamDevice, device_kind, device_ops
-from tests.conftest import make_caches
-from tests.pipeline.wrappers import WrappedStore
-from tests.pools import memcache_standin_store
+from tests.support.caches import make_caches
+from tests.support.pools import memcache_standin_store
+from tests.support.wrappers import WrappedStore
 
 BS = 16
 

@@ -21,7 +21,7 @@ LAYERS = 4
 def run(store: str, env: dict[str, str]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != trace.ENV} | env
     out = subprocess.run(
-        [sys.executable, "-m", "tests.trace_run", store],
+        [sys.executable, "-m", "tests.support.trace_run", store],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -17,7 +17,7 @@ import pytest
 from kvflow.bench.overhead import FLAT_SHARE, growth
 from kvflow.cli import main
 from kvflow.stores.copyloop import NATIVE
-from tests.pools import require_mooncake
+from tests.support.pools import require_mooncake
 
 
 def bench(tmp_path: Path, *argv: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 
 from kvflow.bench.model import ModelShape, PagedModel
 from kvflow.cli import main
-from tests.pools import require_mooncake
+from tests.support.pools import require_mooncake
 
 TINY = [
     "--layers", "3", "--hidden", "64", "--mlp", "64", "--heads", "4", "--kv-heads", "2",

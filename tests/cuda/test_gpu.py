@@ -19,7 +19,7 @@ import torch
 import kvflow
 from kvflow.abc import Store
 from kvflow.devices import CudaDevice
-from tests.pools import ServedSharedStore, dispose
+from tests.support.pools import ServedSharedStore, dispose
 
 pytestmark = [
     pytest.mark.cuda,
@@ -148,7 +148,7 @@ def test_a_load_orders_the_compute_stream_after_its_copy_without_blocking_the_ho
 
 def test_the_engine_refuses_cuda_caches_on_a_store_that_cannot_copy_them() -> None:
     _, layout = _caches("blocks")
-    from tests.pools import memcache_standin_store
+    from tests.support.pools import memcache_standin_store
 
     other = memcache_standin_store(1 << 20)
     try:

@@ -18,9 +18,9 @@ import torch
 
 import kvflow
 from kvflow.abc import Direction, StoreUsage
-from tests.conftest import make_caches
-from tests.pipeline.wrappers import WrappedStore
-from tests.pools import ARENA_STORE_NAMES, dispose, make_store
+from tests.support.caches import make_caches
+from tests.support.pools import ARENA_STORE_NAMES, dispose, make_store
+from tests.support.wrappers import WrappedStore
 
 BS = 16
 CHUNK = 2

@@ -12,8 +12,8 @@ from kvflow.abc import SupportsPrefixContext
 from kvflow.keys import KeySpace, chunk_hashes
 from kvflow.stores.arena import slot_bytes
 from kvflow.testing import InstrumentedStore
-from tests.conftest import make_caches
-from tests.pools import dispose, make_store
+from tests.support.caches import make_caches
+from tests.support.pools import dispose, make_store
 
 BS, CHUNK = 16, 2
 

@@ -11,7 +11,7 @@ import torch
 
 import kvflow
 from kvflow.abc import SupportsUsage
-from tests.pools import ARENA_STORE_NAMES, dispose, make_store, open_sessions
+from tests.support.pools import ARENA_STORE_NAMES, dispose, make_store, open_sessions
 
 BS = 4
 CHUNK = 2

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import kvflow
-from tests.conftest import make_caches
-from tests.pipeline.wrappers import WrappedStore
+from tests.support.caches import make_caches
+from tests.support.wrappers import WrappedStore
 
 BS = 16
 

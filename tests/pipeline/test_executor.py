@@ -10,9 +10,9 @@ import pytest
 
 import kvflow
 from kvflow.pipeline.executor import PinnedExecutor, call_pinned
-from tests.conftest import make_caches
-from tests.pipeline.wrappers import WrappedStore
-from tests.test_bounded import start_a_thread
+from tests.support.caches import make_caches
+from tests.support.threads import start_a_thread
+from tests.support.wrappers import WrappedStore
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 

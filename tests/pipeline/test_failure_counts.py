@@ -15,8 +15,8 @@ import pytest
 
 import kvflow
 from kvflow.abc import Store
-from tests.conftest import make_caches
-from tests.pools import ServedSharedStore, dispose
+from tests.support.caches import make_caches
+from tests.support.pools import ServedSharedStore, dispose
 
 BS = 16
 CHUNK = 2
@@ -94,7 +94,7 @@ def test_sync_engine_counts_chunks_failed_by_a_store_that_is_down(
 
 async def test_a_failed_copy_is_counted_once_with_a_failed_open() -> None:
     """Chunks failed by a copy and chunks failed by the store's open add up, each once."""
-    from tests.pipeline.wrappers import WrappedStore
+    from tests.support.wrappers import WrappedStore
 
     layout = kvflow.KVLayout.from_tensors(make_caches(LAYERS), block_size=BS)
     inner = kvflow.LocalStore("16MiB")

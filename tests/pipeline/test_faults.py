@@ -14,8 +14,8 @@ import torch
 import kvflow
 from kvflow.abc import Direction, ReadSession, Store, StoreUsage, WriteSession
 from kvflow.testing import InstrumentedStore
-from tests.conftest import make_caches
-from tests.pipeline.wrappers import WrappedStore
+from tests.support.caches import make_caches
+from tests.support.wrappers import WrappedStore
 
 BS = 16
 CHUNK = 2

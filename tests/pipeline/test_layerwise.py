@@ -13,9 +13,9 @@ import torch
 
 import kvflow
 from kvflow.abc import Direction
-from tests.conftest import make_caches
-from tests.pipeline.wrappers import WrappedStore
-from tests.pools import dispose, make_store
+from tests.support.caches import make_caches
+from tests.support.pools import dispose, make_store
+from tests.support.wrappers import WrappedStore
 
 BS = 16
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvflow
-from tests.pools import ARENA_STORE_NAMES, dispose, make_store
+from tests.support.pools import ARENA_STORE_NAMES, dispose, make_store
 
 BS = 4
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvflow
-from tests.conftest import make_caches
-from tests.pipeline.wrappers import WrappedStore
+from tests.support.caches import make_caches
+from tests.support.wrappers import WrappedStore
 
 BS = 16
 

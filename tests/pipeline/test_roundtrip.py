@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvflow
 from kvflow.abc import SupportsUsage
-from tests.pools import STORE_NAMES, dispose, long_lived_store, make_store, release_store
+from tests.support.pools import STORE_NAMES, dispose, long_lived_store, make_store, release_store
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
 

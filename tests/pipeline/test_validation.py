@@ -17,7 +17,7 @@ import pytest
 
 import kvflow
 from kvflow.abc import StoreUsage
-from tests.conftest import make_caches
+from tests.support.caches import make_caches
 
 BS = 16
 CHUNK = 2

@@ -17,13 +17,8 @@ import kvflow
 from kvflow.abc import WriteSession
 from kvflow.cli import main
 from kvflow.pool.launch import EXIT_RUNNING, is_serving, read_pid
-from tests.pool.conftest import (
-    REPO,
-    ServeProcess,
-    live_server_pids,
-    thread_affinities,
-    wait_until,
-)
+from tests.support.processes import REPO, ServeProcess, live_server_pids, thread_affinities
+from tests.support.waits import wait_until
 
 CAPACITY = 8 << 20
 

@@ -15,8 +15,9 @@ import kvflow
 from kvflow.pool import PoolConfig, PoolServer
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection
-from tests.pool.conftest import greet, read_to_eof, wait_until
-from tests.stores.conftest import OBJ_BYTES, content, read_objects, write_objects
+from tests.support.objects import OBJ_BYTES, content, read_objects, write_objects
+from tests.support.waits import wait_until
+from tests.support.wire import greet, read_to_eof
 
 IDLE_S = 1.5  # long beside a stall of the 2-core VM: only silence gets a connection closed
 

@@ -17,7 +17,8 @@ import kvflow
 from kvflow.errors import MissingDependencyError
 from kvflow.pool import protocol as p
 from kvflow.pool.metrics import METRICS, require_client
-from tests.pool.conftest import REPO, ServeProcess, wait_until
+from tests.support.processes import REPO, ServeProcess
+from tests.support.waits import wait_until
 
 
 def free_port() -> int:

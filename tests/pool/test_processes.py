@@ -1,5 +1,6 @@
 """The pool across real processes: ``kvflow serve`` as a child process, clients in worker
-processes (``tests/pool/workers.py``), crashes by SIGKILL on either side, and auto-start races."""
+processes (``tests/support/pool_workers.py``), crashes by SIGKILL on either side, and auto-start
+races."""
 
 from __future__ import annotations
 
@@ -20,18 +21,11 @@ import pytest
 import kvflow
 from kvflow import ChunkStatus
 from kvflow.abc import WriteStatus
-from tests.conftest import make_caches
-from tests.pool.conftest import (
-    REPO,
-    ServeProcess,
-    Worker,
-    live_server_pids,
-    thread_affinities,
-    wait_for_stats,
-    wait_until,
-)
-from tests.pool.workers import NUM_PROMPTS, key_bytes
-from tests.stores.conftest import read_objects, write_objects
+from tests.support.caches import make_caches
+from tests.support.objects import read_objects, write_objects
+from tests.support.pool_workers import NUM_PROMPTS, key_bytes
+from tests.support.processes import REPO, ServeProcess, Worker, live_server_pids, thread_affinities
+from tests.support.waits import wait_for_stats, wait_until
 
 Serve = Callable[..., ServeProcess]
 Workers = Callable[..., Worker]

@@ -16,9 +16,10 @@ import kvflow
 from kvflow.errors import ProtocolError
 from kvflow.pool import protocol as p
 from kvflow.pool.protocol import MAX_BODY, MAX_KEY_BYTES, MAX_KEYS, Op
-from tests.pool.conftest import greet, read_to_eof, wait_until
-from tests.pools import ServedSharedStore, dispose
-from tests.stores.conftest import OBJ_BYTES, content, read_objects, write_objects
+from tests.support.objects import OBJ_BYTES, content, read_objects, write_objects
+from tests.support.pools import ServedSharedStore, dispose
+from tests.support.waits import wait_until
+from tests.support.wire import greet, read_to_eof
 
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")

@@ -22,10 +22,8 @@ from kvflow.errors import PoolRunningError
 from kvflow.pool import PoolConfig, PoolServer
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection
-from tests.conftest import make_caches
-from tests.pool.conftest import greet, read_to_eof, recv_exact, wait_for_stats, wait_until
-from tests.pools import ServedSharedStore, dispose
-from tests.stores.conftest import (
+from tests.support.caches import make_caches
+from tests.support.objects import (
     OBJ_BYTES,
     addr,
     alloc_registered,
@@ -33,6 +31,9 @@ from tests.stores.conftest import (
     read_objects,
     write_objects,
 )
+from tests.support.pools import ServedSharedStore, dispose
+from tests.support.waits import wait_for_stats, wait_until
+from tests.support.wire import greet, read_to_eof, recv_exact
 
 NOBODY = 65534
 

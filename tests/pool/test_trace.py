@@ -11,7 +11,7 @@ import pytest
 
 import kvflow
 from kvflow import trace
-from tests.pool.conftest import ServeProcess
+from tests.support.processes import ServeProcess
 
 
 def test_kvflow_serve_traces_the_requests_it_serves(

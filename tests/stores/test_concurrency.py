@@ -17,14 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvflow.abc import Direction, Store, WriteStatus
-from tests.stores.conftest import (
-    OBJ_BYTES,
-    addr,
-    alloc_registered,
-    assert_usage,
-    content,
-    make_store,
-)
+from tests.support.objects import OBJ_BYTES, addr, alloc_registered, assert_usage, content
+from tests.support.pools import make_store
 
 THREADS = 8
 CYCLES = 500  # per thread

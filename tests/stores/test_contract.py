@@ -16,8 +16,7 @@ import pytest
 
 from kvflow import ClosedError, InvalidArgumentError
 from kvflow.abc import Direction, ReadSession, Store, WriteSession, WriteStatus
-from tests.pools import unavailable
-from tests.stores.conftest import (
+from tests.support.objects import (
     OBJ_BYTES,
     SMALL_CAPACITY,
     SMALL_OBJECTS,
@@ -32,6 +31,7 @@ from tests.stores.conftest import (
     usage,
     write_objects,
 )
+from tests.support.pools import unavailable
 
 GRANTED = WriteStatus.GRANTED
 EXISTS = WriteStatus.EXISTS
@@ -391,8 +391,8 @@ _OVERFLOW_SCRIPT = textwrap.dedent(
     import pytest
     from kvflow import InvalidArgumentError
     from kvflow.abc import Direction
-    from tests.pools import stop_master
-    from tests.stores.conftest import OBJ_BYTES, addr, alloc_registered, make_store
+    from tests.support.objects import OBJ_BYTES, addr, alloc_registered
+    from tests.support.pools import make_store, stop_master
 
     name, case = sys.argv[1], sys.argv[2]
     try:  # a Mooncake master this process starts must not outlive it

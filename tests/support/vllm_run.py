@@ -1,0 +1,123 @@
+"""One vLLM run, in a process of its own: ``python -m tests.support.vllm_run ARGS_JSON OUT_JSON``.
+
+Runs with the interpreter that has vLLM (``$KVFLOW_VLLM_PYTHON``). ARGS: ``model`` (a directory
+from ``tests.support.vllm.build_model``), ``prompts`` (lists of token ids, generated as one
+batch unless ``one_by_one``), ``max_tokens``, ``extra`` (the connector's
+``kv_connector_extra_config``; absent: no connector), ``failure_policy`` (vLLM's
+``kv_load_failure_policy``, "recompute" unless given), ``llm`` (more ``LLM(...)`` arguments),
+``pool_socket`` (a kvflow pool to count requests on). Writes per prompt the greedy tokens, the
+tokens vLLM did not compute (``num_cached_tokens``: the connector's hits, unless ``llm`` turns
+vLLM's prefix caching on), the time to first token and the finish reason; with ``pool_socket``,
+``pool_requests``: the pool's request counter before the first batch, after each batch, and
+once more after the last (so the last difference is what counting alone costs). With
+``counters`` (true), ``counters``: vLLM's counters after the last batch (``LLM.get_metrics``,
+summed over labels), such as ``vllm:spec_decode_num_draft_tokens``. With
+``force_prefix_caching`` (true), vLLM's prefix cache stays on where its CPU platform turns it
+off (MLA models), as a reference for connector hits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def main(args: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {
+        "model": args["model"],
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "block_size": args.get("block_size", 32),
+        "max_model_len": args.get("max_model_len", 4096),
+        "max_num_seqs": 8,
+        "seed": 0,
+        "disable_log_stats": False,
+    }
+    if "extra" in args:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVFlowConnector",
+            "kv_connector_module_path": "kvflow.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": args.get("failure_policy", "recompute"),
+            "kv_connector_extra_config": args["extra"],
+        }
+    kwargs.update(args.get("llm", {}))
+    if args.get("force_prefix_caching"):
+        _force_prefix_caching()
+        kwargs["enable_prefix_caching"] = True
+    started = time.monotonic()
+    llm = LLM(**kwargs)
+    ready_s = time.monotonic() - started
+    params = SamplingParams(temperature=0.0, max_tokens=args.get("max_tokens", 8), ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
+    outputs = []
+    batches = [[p] for p in prompts] if args.get("one_by_one") else [prompts]
+    pool_socket = args.get("pool_socket")
+    requests = [_pool_requests(pool_socket)] if pool_socket else []
+    for batch in batches:
+        outputs.extend(llm.generate(batch, params, use_tqdm=False))
+        if pool_socket:
+            requests.append(_pool_requests(pool_socket))
+    if pool_socket:
+        requests.append(_pool_requests(pool_socket))
+    result: dict[str, Any] = {
+        "ready_s": ready_s,
+        "outputs": [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "cached": o.num_cached_tokens,
+                "ttft_s": o.metrics.first_token_latency if o.metrics else None,
+                "finish_reason": o.outputs[0].finish_reason,
+            }
+            for o in outputs
+        ],
+        "pool_requests": requests,
+    }
+    if args.get("counters"):
+        result["counters"] = _counters(llm)
+    del llm
+    return result
+
+
+def _force_prefix_caching() -> None:
+    """Keep vLLM's prefix cache on after the CPU platform's config check, which turns it off
+    for MLA models (with chunked prefill). The config is made in this process, before the engine
+    core starts, so the patch reaches it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def keep_prefix_caching(cls: Any, vllm_config: Any) -> None:
+        check(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = True
+
+    CpuPlatform.check_and_update_config = classmethod(keep_prefix_caching)
+
+
+def _counters(llm: Any) -> dict[str, int]:
+    from vllm.v1.metrics.reader import Counter
+
+    out: dict[str, int] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter):
+            out[metric.name] = out.get(metric.name, 0) + int(metric.value)
+    return out
+
+
+def _pool_requests(pool_socket: str) -> int:
+    from kvflow.pool.client import query_stats
+
+    return int(query_stats(pool_socket, timeout_s=10.0)["requests"])
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        arguments = json.load(f)
+    out = main(arguments)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
