@@ -30,6 +30,15 @@ from tests.support.pools import (
 
 MARKS_BY_FIXTURE = {"vllm_python": ("vllm", "slow")}
 SLOW_TIMEOUT_S = 900  # one slow test: a few vLLM instances on a loaded 2-core machine
+QUICK_WORKERS, SLOW_WORKERS = 4, 2
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's default): the tier's number of xdist workers. The quick tier
+    mostly waits on other processes and threads, so more workers than cores pay; each slow
+    test keeps cores busy with a vLLM instance."""
+    quick_only = "not slow" in (config.getoption("markexpr") or "")
+    return QUICK_WORKERS if quick_only else SLOW_WORKERS
 
 
 @pytest.hookimpl(tryfirst=True)

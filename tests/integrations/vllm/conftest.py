@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Generator, Iterator
 
 import pytest
 
+from kvflow import cli
+from kvflow.pool.launch import is_serving
 from tests.support.pools import unavailable
-from tests.support.processes import REPO
-from tests.support.vllm import VllmRun, VllmRunner, build_model, kept_logs, log_sections
+from tests.support.vllm import (
+    ForkServer,
+    VllmRun,
+    VllmRunner,
+    build_model,
+    kept_logs,
+    log_sections,
+)
 
 WINDOW = 128  # tokens in the windowed models' sliding window
 
@@ -80,21 +86,27 @@ def mla_model(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> str
 
 
 @pytest.fixture(scope="session")
-def vllm(vllm_python: str, tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> VllmRun:
-    """``vllm(prompts, extra=..., **args)``: one vLLM run (``tests.support.vllm.VllmRunner``)."""
-    return VllmRunner(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-runs"))
+def vllm(
+    vllm_python: str, tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmRun]:
+    """``vllm(prompts, extra=..., **args)``: one vLLM run (``tests.support.vllm.VllmRunner``),
+    forked from a process that imported vLLM once for the test session."""
+    directory = tmp_path_factory.mktemp("vllm-runs")
+    server = ForkServer(vllm_python, directory)
+    try:
+        yield VllmRunner(server, tiny_model, directory)
+    finally:
+        server.close()
 
 
 @pytest.fixture
 def pool_dir() -> Iterator[str]:
     """A private short directory for a pool socket; the pool started there is stopped after."""
     directory = tempfile.mkdtemp(prefix="kvv-", dir="/tmp")
+    socket = f"{directory}/pool.sock"
     try:
         yield directory
     finally:
-        subprocess.run(
-            [sys.executable, "-m", "kvflow", "pool", "stop"],
-            env={**os.environ, "KVFLOW_POOL_SOCKET": f"{directory}/pool.sock"},
-            cwd=REPO, capture_output=True, timeout=60, check=False,
-        )  # fmt: skip
+        if is_serving(socket):  # `kvflow pool stop`, in this process
+            cli.main(["pool", "--socket", socket, "stop", "--timeout", "60"])
         shutil.rmtree(directory, ignore_errors=True)

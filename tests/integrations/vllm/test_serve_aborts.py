@@ -29,6 +29,7 @@ from tests.support.serve import (
     serve_args,
     stream_completion,
 )
+from tests.support.vllm import keep_log
 
 BLOCK = 32
 ABORTED_MAX = 200  # tokens an aborted request asks for
@@ -66,6 +67,7 @@ def served(vllm_python: str, tiny_model: str, pool: str, tmp_path: Path) -> Iter
         kv_transfer_config=kvflow_transfer_config(extra),
         prefix_caching=False,  # every shared chunk comes from the pool
     )
+    keep_log(tmp_path / "serve.log")  # its tail in the report if the test fails
     server = Server(vllm_python, tiny_model, args, log=tmp_path / "serve.log", cwd=str(REPO))
     try:
         server.ready()

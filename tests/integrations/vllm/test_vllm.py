@@ -48,9 +48,11 @@ def test_out_of_the_box_cold_then_warm(
     vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
 ) -> None:
     """No ``kv_connector_extra_config`` at all: the shared pool starts itself (here at the
-    socket ``$KVFLOW_POOL_SOCKET`` names), a new vLLM instance loads what the first saved."""
+    socket ``$KVFLOW_POOL_SOCKET`` names), a new vLLM instance loads what the first saved.
+    vLLM as deployed by default: its engine core (the scheduler's connector) and the model
+    (the worker's) in processes of their own."""
     env = {"KVFLOW_POOL_SOCKET": f"{pool_dir}/pool.sock"}
-    cold = vllm([A, C], extra={}, env=env)
+    cold = vllm([A, C], extra={}, env=env, processes=True)
     assert cached(cold) == [0, 0]
     assert tokens(cold) == [baseline["A"], baseline["C"]]
     assert "kvflow: scheduler connector on the shared pool" in cold["log"]
@@ -63,7 +65,7 @@ def test_out_of_the_box_cold_then_warm(
         copy, model = json.loads(where[1]), json.loads(where[2])
         assert copy and not set(copy) & set(model)
 
-    warm = vllm([A, B, C], extra={}, env=env)  # default chunks: 64 tokens = 2 blocks
+    warm = vllm([A, B, C], extra={}, env=env, processes=True)  # default chunks: 2 blocks
     assert cached(warm) == [256, 192, 128]  # B: the 192 it shares with A; C: all it saved
     assert tokens(warm) == [baseline["A"], baseline["B"], baseline["C"]]
 
