@@ -15,10 +15,11 @@ from kvflow.bounded import BoundedCaller
 from tests.support.threads import start_a_thread
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+LONG_S = 60.0  # a call that must not time out, or a wait for another thread: far above a stall
 
 
 def test_a_call_returns_its_result_and_raises_what_it_raised() -> None:
-    calls = BoundedCaller("pool", 5)
+    calls = BoundedCaller("pool", LONG_S)
     try:
         assert calls.call("add", lambda a, b: a + b, 2, 3) == 5
 
@@ -36,7 +37,7 @@ def test_errors_maps_what_a_call_raised_and_none_passes_it_on() -> None:
     def mapped(what: str, exc: BaseException) -> BaseException | None:
         return kvflow.StoreError(f"{what} failed: {exc}") if isinstance(exc, ValueError) else None
 
-    calls = BoundedCaller("engine", 5, errors=mapped)
+    calls = BoundedCaller("engine", LONG_S, errors=mapped)
     try:
         with pytest.raises(kvflow.StoreError, match="engine open failed: bad") as info:
             calls.call("open", _raise, ValueError("bad"))
@@ -60,7 +61,8 @@ def test_a_timeout_raises_and_a_late_result_goes_to_on_late() -> None:
         with pytest.raises(kvflow.TransferTimeoutError, match=r"pool open did not finish within"):
             calls.call("open", _wait_then, release, "store")
         release.set()
-        assert handed.wait(5) and late == ["store"]
+        assert handed.wait(60) and late == ["store"]
+        calls.timeout_s = LONG_S  # the next call must not time out on a stalled machine
         assert calls.call("open", lambda: "next") == "next"  # not refused: refuse_late is off
     finally:
         calls.shutdown()
@@ -76,6 +78,7 @@ def test_refuse_late_fails_new_calls_at_once_while_a_timed_out_one_runs() -> Non
             calls.call("lookup", lambda: 2)
         release.set()
         assert _until(lambda: "late=0" in repr(calls))
+        calls.timeout_s = LONG_S  # the next call must not time out on a stalled machine
         assert calls.call("lookup", lambda: 3) == 3
         assert "threads=1/1" in repr(calls)  # never more than one thread
     finally:
@@ -112,7 +115,7 @@ def test_calls_wait_for_a_free_thread_within_their_time() -> None:
 
 def test_shutdown_refuses_new_calls_and_ends_its_threads() -> None:
     before = threading.active_count()
-    calls = BoundedCaller("pool", 5, threads=3)
+    calls = BoundedCaller("pool", LONG_S, threads=3)
     assert calls.call("a", lambda: 1) == 1
     calls.shutdown()
     with pytest.raises(kvflow.ClosedError):
@@ -124,7 +127,7 @@ def test_shutdown_refuses_new_calls_and_ends_its_threads() -> None:
 def test_threads_pin_to_cpus_and_threads_they_start_inherit_it() -> None:
     target = (CPUS[-1],)
 
-    calls = BoundedCaller("pinned", 5, cpus=target)
+    calls = BoundedCaller("pinned", LONG_S, cpus=target)
     try:
         assert calls.call("", start_a_thread) == list(target)
         assert sorted(os.sched_getaffinity(0)) == CPUS, "the caller was re-pinned"
@@ -137,11 +140,11 @@ def _raise(exc: BaseException) -> None:
 
 
 def _wait_then(event: threading.Event, value: object) -> object:
-    assert event.wait(10)
+    assert event.wait(LONG_S)
     return value
 
 
-def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+def _until(condition: Callable[[], bool], timeout_s: float = LONG_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:

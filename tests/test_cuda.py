@@ -28,6 +28,7 @@ from kvflow.devices import CudaDevice, device_ops
 from kvflow.results import ChunkStatus
 from kvflow.stores.copyloop import HOST_MEMCPY_ASYNC, NATIVE, MemcpyAsyncFn, issue_ranges
 from tests.support.caches import make_caches
+from tests.support.gates import Gate
 from tests.support.pools import ServedSharedStore
 
 BS = 16
@@ -64,7 +65,7 @@ class Gated(CudaDevice):
 
     def __init__(self) -> None:
         super().__init__("cpu", runtime=HostRuntime())
-        self.gate = threading.Event()
+        self.gate = Gate()
         self.waiting = threading.Event()
 
     def _copy_event(self) -> Any:
@@ -73,7 +74,7 @@ class Gated(CudaDevice):
         class Event(torch.cpu.Event):  # type: ignore[misc]
             def synchronize(self) -> None:
                 device.waiting.set()
-                assert device.gate.wait(10)
+                assert device.gate.wait()
 
         return Event()
 
@@ -137,12 +138,12 @@ def _roundtrip(store: Store, device: CudaDevice) -> list[torch.Tensor]:
     with kvflow.SyncTransferEngine(layout, store, cfg, device=device) as engine:
         save = engine.start_save([(tokens, [0, 1, 2, 3])])
         for layer in range(3):
-            save.layer_written(layer, timeout=5)
-        assert save.wait(timeout=5).ok
+            save.layer_written(layer, timeout=60)
+        assert save.wait(timeout=60).ok
         load = engine.start_load([(tokens, [12, 13, 8, 9])])
         for layer in range(3):
-            load.wait_layer(layer, timeout=5)
-        assert load.wait(timeout=5).ok
+            load.wait_layer(layer, timeout=60)
+        assert load.wait(timeout=60).ok
     return caches
 
 
@@ -214,11 +215,12 @@ def test_a_load_signals_a_layer_when_issued_and_releases_its_leases_after_the_co
         assert plain.save(tokens, [0]).ok
     with kvflow.SyncTransferEngine(layout, store, cfg, device=device) as engine:
         load = engine.start_load([(tokens, [5])])
-        load.wait_layer(0, timeout=5)  # returns while the copy thread still waits for its copy
-        assert device.waiting.wait(5) and not device.gate.is_set()
+        load.wait_layer(0, timeout=60)  # returns while the copy thread still waits for its copy
+        assert device.gate.passed == 0  # (the copy is not through its gate yet)
+        assert device.waiting.wait(60) and not device.gate.is_set()
         assert store.usage().leases == 1  # the lease is held under the copy
         device.gate.set()
-        assert load.wait(timeout=5).ok
+        assert load.wait(timeout=60).ok
         assert store.usage().leases == 0
     store.close()
     assert all(torch.equal(c[5].view(torch.uint8), c[0].view(torch.uint8)) for c in caches)
@@ -236,8 +238,8 @@ def test_a_failed_device_copy_fails_the_layer_and_nothing_waits_forever() -> Non
     with kvflow.SyncTransferEngine(layout, store, cfg, device=device) as engine:
         load = engine.start_load([(tokens, [4, 5])])
         for layer in range(2):
-            load.wait_layer(layer, timeout=5)
-        result = load.wait(timeout=5)
+            load.wait_layer(layer, timeout=60)
+        result = load.wait(timeout=60)
         assert not result.ok
         assert result.count(ChunkStatus.FAILED) >= 1
         assert set(result.failed_block_ids.tolist()) <= {4, 5}

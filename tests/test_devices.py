@@ -65,8 +65,8 @@ def test_the_stream_path_orders_saves_and_loads_on_cpu_tensors() -> None:
     with kvflow.SyncTransferEngine(layout, store, cfg, device=spy) as engine:
         save = engine.start_save([(tokens, [0, 1])])
         for layer in range(3):
-            save.layer_written(layer, timeout=5)
-        assert save.wait(timeout=5).ok
+            save.layer_written(layer, timeout=60)
+        assert save.wait(timeout=60).ok
         written = [e for e in spy.log if e[0] == "written"]
         ready = [e for e in spy.log if e[0] == "ready"]
         assert [e[1] for e in written] == [0, 1, 2]
@@ -79,8 +79,8 @@ def test_the_stream_path_orders_saves_and_loads_on_cpu_tensors() -> None:
         spy.log.clear()
         load = engine.start_load([(tokens, [8, 9])])
         for layer in range(3):
-            load.wait_layer(layer, timeout=5)
-        assert load.wait(timeout=5).ok
+            load.wait_layer(layer, timeout=60)
+        assert load.wait(timeout=60).ok
     loaded = [e for e in spy.log if e[0] == "loaded"]
     ordered = [e for e in spy.log if e[0] == "ordered"]
     assert sorted(e[1] for e in loaded) == [0, 1, 2]

@@ -33,7 +33,7 @@ def closed_local() -> tuple[Store, Callable[[], None]]:
 
 
 def stopped_server() -> tuple[Store, Callable[[], None]]:
-    store = ServedSharedStore(16 << 20, timeout_s=1.0)
+    store = ServedSharedStore(16 << 20)  # a stopped server fails requests at once
     return store, store.stop_server
 
 
@@ -82,13 +82,13 @@ def test_sync_engine_counts_chunks_failed_by_a_store_that_is_down(
 
         load = e.start_load([(tokens, np.arange(10, 16))])
         for layer in range(LAYERS):
-            load.wait_layer(layer, timeout=5)
+            load.wait_layer(layer, timeout=60)
         save = e.start_save([(tokens_for(2, seed=1), np.arange(20, 24))])
         for layer in range(LAYERS):
-            save.layer_written(layer, timeout=5)
+            save.layer_written(layer, timeout=60)
 
-        assert load.wait(timeout=5).count(kvflow.ChunkStatus.FAILED) == 3
-        assert save.wait(timeout=5).count(kvflow.ChunkStatus.FAILED) == 2
+        assert load.wait(timeout=60).count(kvflow.ChunkStatus.FAILED) == 3
+        assert save.wait(timeout=60).count(kvflow.ChunkStatus.FAILED) == 2
         assert e.stats().failed_chunks == 5
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,6 +14,8 @@ import kvflow
 from kvflow.abc import Direction, ReadSession, Store, StoreUsage, WriteSession
 from kvflow.testing import InstrumentedStore
 from tests.support.caches import make_caches
+from tests.support.gates import Gate
+from tests.support.waits import wait_until_async
 from tests.support.wrappers import WrappedStore
 
 BS = 16
@@ -45,10 +46,9 @@ async def stored(layout: kvflow.KVLayout, store: WrappedStore, tokens: np.ndarra
 
 async def settle(engine: kvflow.TransferEngine, store: WrappedStore) -> StoreUsage:
     """Wait (bounded) until no batch is open, then return the pool's usage."""
-    for _ in range(200):
-        if not engine._runtime.batches and not engine._runtime.tasks:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(
+        lambda: not engine._runtime.batches and not engine._runtime.tasks, 60, "no open batch"
+    )
     return store.usage()
 
 
@@ -147,18 +147,14 @@ async def test_store_error_in_copy_fails_every_chunk_and_releases_leases(setup) 
 async def test_stuck_copy_times_out_and_keeps_its_lease_until_it_returns(setup) -> None:
     caches, layout, store = setup
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, copy_timeout_s=0.2)
-    gate = threading.Event()
+    gate = Gate()
     tokens = tokens_for(2)
     await stored(layout, store, tokens)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
-        store.before_copy = lambda d, *a: (
-            gate.wait(10) and None if d == Direction.FROM_POOL else None
-        )
-        start = time.monotonic()
-        result = await engine.load(tokens, np.arange(8, 12))
-        elapsed = time.monotonic() - start
+        store.before_copy = lambda d, *a: gate() if d == Direction.FROM_POOL else None
+        result = await asyncio.wait_for(engine.load(tokens, np.arange(8, 12)), 60)
         assert not result.ok and result.count(kvflow.ChunkStatus.FAILED) == 2
-        assert elapsed < 2.0, f"a stuck copy held the caller for {elapsed:.2f} s"
+        assert gate.passed == 0, "the caller waited for the stuck copy"
         assert engine.stats().timeouts >= 1
         # the copy is still running in its thread: the pool must not reuse what it reads
         assert store.usage().leases == 2
@@ -169,12 +165,13 @@ async def test_stuck_copy_times_out_and_keeps_its_lease_until_it_returns(setup) 
 
 async def test_wait_layer_and_layer_written_time_out(setup) -> None:
     caches, layout, store = setup
-    gate = threading.Event()
-    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, save_backlog=1, copy_timeout_s=5)
+    gate = Gate()
+    # the gate holds the copies while the test runs: their timeout must not end them first
+    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, save_backlog=1, copy_timeout_s=60)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         tokens = tokens_for(2)
         assert (await engine.save(tokens, np.arange(4))).ok
-        store.before_copy = lambda *a: gate.wait(10) and None
+        store.before_copy = gate
         handle = await engine.start_load([(tokens, np.arange(8, 12))])
         with pytest.raises(kvflow.TransferTimeoutError) as info:
             await handle.wait_layer(0, timeout=0.05)
@@ -214,34 +211,39 @@ async def test_metadata_call_that_hangs_times_out(setup) -> None:
     """A store whose metadata crosses a socket (not inline) and hangs: the call times out."""
     caches, layout, store = setup
     store.inline_metadata = False
-    gate = threading.Event()
+    gate = Gate()
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, op_timeout_s=0.2)
     tokens = tokens_for(2)
     await stored(layout, store, tokens)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         real = store.inner.open_read
+        opened = threading.Event()
 
         def slow(keys):
-            gate.wait(10)
-            return real(keys)
+            gate.wait()
+            try:
+                return real(keys)
+            finally:
+                opened.set()
 
         store.inner.open_read = slow  # type: ignore[method-assign]
-        start = time.monotonic()
-        result = await engine.load(tokens, np.arange(8, 12))
-        assert time.monotonic() - start < 2.0
+        result = await asyncio.wait_for(engine.load(tokens, np.arange(8, 12)), 60)
         assert result.count(kvflow.ChunkStatus.FAILED) == 2
+        assert gate.passed == 0, "the caller waited for the hung open_read"
         gate.set()  # the late open_read returns: its leases must be released by themselves
-        for _ in range(200):
-            if store.usage().leases == 0 and store.usage().open_sessions == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert store.usage().leases == 0 and store.usage().open_sessions == 0
+        await wait_until_async(opened.is_set, 60, "the late open_read to return")
+
+        def released() -> bool:
+            usage = store.usage()
+            return usage.leases == 0 and usage.open_sessions == 0
+
+        await wait_until_async(released, 60, "the late session to be released")
 
 
 @pytest.mark.parametrize("op", ["load", "save"])
 async def test_cancelling_the_caller_releases_leases_and_slots(setup, op: str) -> None:
     caches, layout, store = setup
-    gate = threading.Event()
+    gate = Gate()
     cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, copy_timeout_s=0.5)
     async with kvflow.TransferEngine(layout, store, cfg) as e:
         tokens = tokens_for(3)
@@ -252,23 +254,19 @@ async def test_cancelling_the_caller_releases_leases_and_slots(setup, op: str) -
         def hook(*a):
             copies["n"] += 1
             if copies["n"] == 2:
-                gate.wait(10)  # stall layer 1 so the caller is cancelled mid-batch
+                gate.wait()  # stall layer 1 so the caller is cancelled mid-batch
 
         store.before_copy = hook
         if op == "load":
             task = asyncio.ensure_future(e.load(tokens, np.arange(10, 16)))
         else:
             task = asyncio.ensure_future(e.save(tokens_for(3, seed=5), np.arange(6)))
-        for _ in range(1000):  # until layer 1's copy is stalled (bounded)
-            if copies["n"] >= 2:
-                break
-            await asyncio.sleep(0.005)
-        assert copies["n"] >= 2
+        await wait_until_async(gate.reached.is_set, 60, "layer 1's copy to stall")
         task.cancel()
-        start = time.monotonic()
         with pytest.raises(asyncio.CancelledError):
-            await task
-        assert time.monotonic() - start < 2.0, "cancellation waited past the copy timeout"
+            await asyncio.wait_for(task, 60)
+        # the cancellation ended while the copy was still stuck: it did not wait for it
+        assert gate.passed == 0, "cancellation waited for the stuck copy"
         assert store.usage().leases + store.usage().pending_writes > 0  # straggler holds it
         gate.set()
         usage = await settle(e, store)

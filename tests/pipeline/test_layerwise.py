@@ -4,7 +4,6 @@ store's metadata calls per batch do not grow with the layer count."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import numpy as np
@@ -14,7 +13,9 @@ import torch
 import kvflow
 from kvflow.abc import Direction
 from tests.support.caches import make_caches
+from tests.support.gates import Gate
 from tests.support.pools import dispose, make_store
+from tests.support.waits import wait_until_async
 from tests.support.wrappers import WrappedStore
 
 BS = 16
@@ -55,7 +56,14 @@ async def test_load_waits_follow_copies_and_window_holds(prefetch: int, store_na
             await handle.wait_layer(layer)
             done = [c for c in store.copies if c.direction == Direction.FROM_POOL]
             assert len(done) >= layer + 1, "wait_layer returned before its copy finished"
-            await asyncio.sleep(0.01)  # the consumer computes this layer, slower than a copy
+            # the consumer computes this layer, slower than a copy: every copy the window lets
+            # start has started before it goes on (no sleep: a starved copy thread cannot lag)
+            window = min(layers, layer + 1 + prefetch)
+            await wait_until_async(
+                lambda w=window: len(copies_started) >= w,
+                60,
+                "the window to fill: prefetch did not happen",
+            )
         result = await handle.wait()
         assert result.ok
         assert max(leads) < prefetch, leads
@@ -70,8 +78,8 @@ async def test_save_backlog_bounds_the_producer(backlog: int, store_name: str) -
     layers = 10
     layout = kvflow.KVLayout.from_tensors(make_caches(layers), block_size=BS)
     store = WrappedStore(make_store(store_name, "16MiB"))
-    gate = threading.Event()
-    store.before_copy = lambda *a: gate.wait(5) and None
+    gate = Gate()
+    store.before_copy = gate
     cfg = kvflow.EngineConfig(chunk_blocks=2, save_backlog=backlog)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         handle = await engine.start_save([(tokens_for(2, 2), np.arange(4))])
@@ -79,7 +87,7 @@ async def test_save_backlog_bounds_the_producer(backlog: int, store_name: str) -
             await handle.layer_written(layer)
         assert handle.backlog == backlog
         blocked = asyncio.ensure_future(handle.layer_written(backlog))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # time for a producer that does not wait to finish
         assert not blocked.done(), "the producer was not made to wait at a full backlog"
         gate.set()
         await blocked

@@ -11,6 +11,7 @@ import torch
 
 import kvflow
 from tests.support.pools import ARENA_STORE_NAMES, dispose, make_store
+from tests.support.waits import wait_until_async
 
 BS = 4
 
@@ -37,10 +38,9 @@ async def test_thousands_of_operations_leak_nothing(store_name: str) -> None:
             handle = await engine.start_load([(tokens, blocks)])
             await handle.wait_layer(0)
             await handle.aclose()
-    for _ in range(100):
-        if not engine._runtime.batches and not engine._runtime.tasks:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(
+        lambda: not engine._runtime.batches and not engine._runtime.tasks, 60, "no open batch"
+    )
     usage = store.usage()
     assert (usage.leases, usage.pending_writes, usage.open_sessions) == (0, 0, 0)
     assert usage.objects > 0 and usage.used == usage.objects * layout.object_bytes(2)
@@ -50,8 +50,6 @@ async def test_thousands_of_operations_leak_nothing(store_name: str) -> None:
     assert engine._runtime.copier.in_flight == 0
     await engine.close()
     dispose(store)
-    for _ in range(100):
-        if threading.active_count() <= threads_before:
-            break
-        await asyncio.sleep(0.01)
-    assert threading.active_count() <= threads_before
+    await wait_until_async(
+        lambda: threading.active_count() <= threads_before, 60, "the engine's threads to end"
+    )

@@ -12,6 +12,8 @@ import torch
 
 import kvflow
 from tests.support.caches import make_caches
+from tests.support.gates import Gate
+from tests.support.waits import wait_until
 from tests.support.wrappers import WrappedStore
 
 BS = 16
@@ -26,18 +28,19 @@ def parts():
     store.close()
 
 
-async def settle(engine: kvflow.TransferEngine) -> None:
-    for _ in range(300):
-        if not engine._runtime.batches and not engine._runtime.tasks:
-            return
+async def settle(engine: kvflow.TransferEngine, timeout: float = 60) -> None:
+    """Wait until no batch is open; ``timeout`` only bounds a hang."""
+    deadline = time.monotonic() + timeout
+    while engine._runtime.batches or engine._runtime.tasks:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"batches still open: {engine._runtime.batches}")
         await asyncio.sleep(0.01)
-    raise AssertionError(f"batches still open: {engine._runtime.batches}")
 
 
 async def test_a_layer_written_twice_at_once_is_refused_and_nothing_is_torn(parts) -> None:
     caches, layout, store = parts
-    gate = threading.Event()
-    store.before_copy = lambda *a: gate.wait(5) and None
+    gate = Gate()
+    store.before_copy = gate
     cfg = kvflow.EngineConfig(chunk_blocks=2, save_backlog=1)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         tokens = np.arange(64)
@@ -65,9 +68,9 @@ async def test_an_abandoned_save_fails_and_frees_its_slots(parts) -> None:
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
         save = await engine.start_save([(np.arange(64), np.arange(4))])
         await save.layer_written(0)  # and then the producer goes away
-        start = time.monotonic()
-        result = await save.wait(timeout=5)
-        assert time.monotonic() - start < 2
+        # the batch fails by its own op_timeout_s: without it this wait would raise (its bound
+        # is only for a hang)
+        result = await save.wait(timeout=60)
         assert result.count(kvflow.ChunkStatus.FAILED) == 2
         await settle(engine)
         assert store.usage().pending_writes == 0 and store.usage().used == 0
@@ -76,15 +79,17 @@ async def test_an_abandoned_save_fails_and_frees_its_slots(parts) -> None:
 
 async def test_an_abandoned_load_fails_and_releases_its_leases(parts) -> None:
     caches, layout, store = parts
+    # stored with the default timeouts: a stall of the machine must not fail the setup
+    async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=2)) as engine:
+        assert (await engine.save(np.arange(64), np.arange(4))).ok
     cfg = kvflow.EngineConfig(chunk_blocks=2, op_timeout_s=0.2, prefetch_layers=1)
     async with kvflow.TransferEngine(layout, store, cfg) as engine:
-        await engine.save(np.arange(64), np.arange(4))
         load = await engine.start_load([(np.arange(64), np.arange(10, 14))])
-        await load.wait_layer(0)  # then the consumer never comes back
+        await load.wait_layer(0, timeout=60)  # then the consumer never comes back
         await asyncio.sleep(0.4)
         await settle(engine)
         assert store.usage().leases == 0
-        assert not (await load.wait(timeout=1)).ok
+        assert not (await load.wait(timeout=60)).ok
 
 
 async def test_a_driver_that_fails_fails_the_batch_instead_of_hanging(parts) -> None:
@@ -96,7 +101,7 @@ async def test_a_driver_that_fails_fails_the_batch_instead_of_hanging(parts) -> 
             raise RuntimeError("executor is gone")
 
         e._runtime.copier.submit = broken  # type: ignore[method-assign]
-        result = await asyncio.wait_for(e.load(np.arange(64), np.arange(10, 14)), 5)
+        result = await asyncio.wait_for(e.load(np.arange(64), np.arange(10, 14)), 60)
         assert result.count(kvflow.ChunkStatus.FAILED) == 2
         await settle(e)
         assert store.usage().leases == 0
@@ -109,7 +114,7 @@ async def test_cleanup_survives_repeated_cancellation(parts) -> None:
     real_close_read = store.inner.close_read
 
     def slow_close_read(session):
-        gate.wait(5)
+        gate.wait(60)
         real_close_read(session)
 
     store.inner.close_read = slow_close_read  # type: ignore[method-assign]
@@ -135,9 +140,5 @@ def test_sync_engines_leave_no_threads_behind() -> None:
         with kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=1)) as e:
             e.save(np.arange(32) + i, [0, 1])
             e.load(np.arange(32) + i, [2, 3])
-    for _ in range(100):
-        if threading.active_count() <= before:
-            break
-        time.sleep(0.01)
-    assert threading.active_count() <= before
+    wait_until(lambda: threading.active_count() <= before, 60, "the engines' threads to end")
     store.close()

@@ -215,11 +215,11 @@ def test_sync_handles_refuse_a_bad_timeout(
         save.layer_written(0, timeout=timeout)
     _refused(info, timeout)
     for layer in range(LAYERS):  # the refused call claimed nothing
-        save.layer_written(layer, timeout=5)
+        save.layer_written(layer, timeout=60)
     with pytest.raises(kvflow.InvalidArgumentError) as info:
         save.wait(timeout=timeout)
     _refused(info, timeout)
-    assert save.wait(timeout=5).ok
+    assert save.wait(timeout=60).ok
     assert save.wait(timeout=0).ok  # zero is a timeout too: the result is out already
 
     load = sync_engine.start_load([(tokens, [4, 5, 6, 7])])
@@ -245,7 +245,7 @@ async def test_async_handles_refuse_a_bad_timeout(
                 await save.layer_written(0, timeout=timeout)  # type: ignore[arg-type]
             _refused(info, timeout)
             for layer in range(LAYERS):  # the refused call claimed nothing
-                await save.layer_written(layer, timeout=5)
+                await save.layer_written(layer, timeout=60)
             with pytest.raises(kvflow.InvalidArgumentError) as info:
                 await save.wait(timeout=timeout)  # type: ignore[arg-type]
             _refused(info, timeout)
@@ -258,4 +258,4 @@ async def test_async_handles_refuse_a_bad_timeout(
             with pytest.raises(kvflow.InvalidArgumentError) as info:
                 await load.wait(timeout=timeout)  # type: ignore[arg-type]
             _refused(info, timeout)
-            assert (await load.wait(timeout=5)).ok
+            assert (await load.wait(timeout=60)).ok

@@ -39,7 +39,7 @@ def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, 
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate(timeout=10)
+        proc.communicate(timeout=60)
         raise AssertionError(f"{proc.args!r} ran past {timeout:g} s") from None
     return proc.returncode, out, err
 
@@ -100,9 +100,9 @@ def test_serve_detach_stats_and_stop(sock_dir: str) -> None:
         assert f"stopped the pool on {path} (pid {pid})" in out
         assert not is_serving(path)
         # `stop` returns once the socket refuses connections; the files go just after
-        wait_until(lambda: not os.path.exists(path), 5, "the socket to be removed")
+        wait_until(lambda: not os.path.exists(path), 60, "the socket to be removed")
         assert not os.path.exists(path + ".pid")
-        wait_until(lambda: not live_server_pids(path), 10, "the server process to exit")
+        wait_until(lambda: not live_server_pids(path), 60, "the server process to exit")
 
         # nothing serves now: both commands say so and fail
         stats = start("pool", "--socket", path, "stats", "--json")
@@ -173,7 +173,7 @@ def test_the_connection_limit_tells_the_refused_client(
     works (it reconnects)."""
     path = f"{sock_dir}/pool.sock"
     serve(path, "4MiB", "--max-clients", "1", "--idle-timeout", "1")
-    store = kvflow.SharedStore(socket=path)
+    store = kvflow.SharedStore(socket=path, timeout_s=60)
 
     def open_write() -> WriteSession | None:
         try:
@@ -183,7 +183,7 @@ def test_the_connection_limit_tells_the_refused_client(
 
     try:
         # not idle while this is open
-        writing = wait_until(open_write, 30, "the one connection to be free", interval=0.2)
+        writing = wait_until(open_write, 60, "the one connection to be free", interval=0.2)
         code, out, err = kvflow_cli("pool", "--socket", path, "stats")
         assert code == 1 and out == "", (out, err)
         assert len(err.strip().splitlines()) == 1, err
@@ -240,7 +240,7 @@ def test_serve_pins_its_threads_to_the_cpus_given(sock_dir: str) -> None:
     finally:
         for pid in live_server_pids(path):
             os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not live_server_pids(path), 10, "the server to exit")
+        wait_until(lambda: not live_server_pids(path), 60, "the server to exit")
 
     code, _, err = kvflow_cli("serve", "--socket", path, "--capacity", "8MiB", "--cpus", "99999")
     assert code == 2

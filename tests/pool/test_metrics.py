@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as reply:
         assert reply.status == 200
         assert reply.headers["Content-Type"].startswith("text/plain")
         text = reply.read().decode()
@@ -66,16 +66,22 @@ def test_scrape_after_traffic_matches_pool_stats(
     path = f"{sock_dir}/pool.sock"
     port = free_port()
     server = serve(path, "4MiB", "--metrics-port", str(port), "--idle-timeout", "30")
-    wait_until(lambda: f"127.0.0.1:{port}/metrics" in server.log(), 30, "the metrics line")
+    wait_until(lambda: f"127.0.0.1:{port}/metrics" in server.log(), 60, "the metrics line")
     # the readiness probe's connection counts until the server has read its end
-    wait_until(lambda: pool_stats(path)["clients"] == 1, 30, "the probe to be gone")
+    wait_until(lambda: pool_stats(path)["clients"] == 1, 60, "the probe to be gone")
     store = kvflow.SharedStore(socket=path)
     try:
         session = store.open_write(["a", "b"], 8192)
         store.finish_write(session, np.ones(2, dtype=bool))
         assert store.lookup(["a", "b", "c"]).tolist() == [True, True, False]
         reading = store.open_read(["a", "missing"])
-        metrics = scrape(port)
+        # the store alone: the server has read the end of the last stats command's connection
+        # (it notices that on a thread of its own)
+        metrics = wait_until(
+            lambda: m if (m := scrape(port))["kvflow_pool_clients"] == 1 else None,
+            60,
+            "the server to see the earlier stats client go",
+        )
         stats = pool_stats(path)  # one request more than the scrape saw, one client more
         store.close_read(reading)
     finally:

@@ -34,7 +34,7 @@ SLOT = 8192
 
 def stats_of(path: str) -> dict[str, int]:
     """The server's counters over a connection of their own."""
-    store = kvflow.SharedStore(socket=path, timeout_s=5)
+    store = kvflow.SharedStore(socket=path, timeout_s=60)
     try:
         return store.server_stats()
     finally:
@@ -86,12 +86,12 @@ def test_client_killed_mid_write(sock_dir: str, serve: Serve, workers: Workers) 
     assert (stats["pending_writes"], stats["used"]) == (6, 6 * SLOT)
     worker.kill()
     assert worker.proc.returncode == -9
-    store = kvflow.SharedStore(socket=path, timeout_s=5)
+    store = kvflow.SharedStore(socket=path, timeout_s=60)
     try:
         stats = wait_for_stats(
             store.server_stats,
             lambda s: s["pending_writes"] == 0,
-            10,
+            60,
             "the dead writer's slots to come back",
         )
         assert stats["used"] == before["used"] == 0
@@ -115,7 +115,7 @@ def test_client_killed_mid_write(sock_dir: str, serve: Serve, workers: Workers) 
 def test_client_killed_holding_leases(sock_dir: str, serve: Serve, workers: Workers) -> None:
     path = f"{sock_dir}/pool.sock"
     serve(path, 4 * SLOT)
-    store = kvflow.SharedStore(socket=path, timeout_s=5)
+    store = kvflow.SharedStore(socket=path, timeout_s=60)
     try:
         old = {f"old/{i}": key_bytes(f"old/{i}", SLOT) for i in range(4)}
         assert (write_objects(store, old) == WriteStatus.GRANTED).all()
@@ -130,7 +130,7 @@ def test_client_killed_holding_leases(sock_dir: str, serve: Serve, workers: Work
         stats = wait_for_stats(
             store.server_stats,
             lambda s: s["leases"] == 0,
-            10,
+            60,
             "the dead reader's leases to be released",
         )
         assert (stats["open_sessions"], stats["objects"]) == (0, 4)
@@ -167,41 +167,42 @@ async def test_server_killed_and_restarted(sock_dir: str, serve: Serve) -> None:
     server = serve(path, "16MiB")
     caches = make_caches(num_layers=4, num_blocks=64, seed=3)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = kvflow.SharedStore(socket=path, retry_interval_s=0.05, timeout_s=1)
-    config = kvflow.EngineConfig(chunk_blocks=CHUNK, op_timeout_s=5, copy_timeout_s=2)
+    # Every timeout far above a stall of the machine: a dead server shows as errors at once
+    # (its socket is closed), so what follows fails without waiting any timeout out, and
+    # ``engine.stats().timeouts`` staying 0 says so without a clock.
+    store = kvflow.SharedStore(socket=path, retry_interval_s=0.05, timeout_s=60)
+    config = kvflow.EngineConfig(chunk_blocks=CHUNK, op_timeout_s=60, copy_timeout_s=60)
     engine = kvflow.TransferEngine(layout, store, config)
     try:
         tokens = prompt(4, seed=1)
         src = np.arange(0, 8)
-        assert (await asyncio.wait_for(engine.save(tokens, src), 10)).ok
+        assert (await asyncio.wait_for(engine.save(tokens, src), 60)).ok
         assert await engine.lookup(tokens) == len(tokens)
 
-        # a load in flight when the server dies: its chunks fail, within the timeouts
+        # a load in flight when the server dies: its chunks fail, and no timeout had to end it
         dst = np.arange(8, 16)
         async with await engine.start_load([(tokens, dst)]) as handle:
-            await handle.wait_layer(0, timeout=5)
+            await handle.wait_layer(0, timeout=60)
             server.kill()
-            started = time.monotonic()
-            result = await asyncio.wait_for(handle.wait(timeout=8), 10)
-            assert time.monotonic() - started < 5
+            result = await asyncio.wait_for(handle.wait(timeout=60), 90)
         status = result.requests[0].chunk_status
         assert (status == ChunkStatus.FAILED).all(), result
         assert not result.ok
+        assert engine.stats().timeouts == 0
 
-        # a dead server is an unavailable store, quickly, and the engine turns it into misses
-        started = time.monotonic()
-        with pytest.raises(kvflow.StoreUnavailableError):
+        # a dead server is an unavailable store, at once (not an answer waited for), and the
+        # engine turns it into misses
+        with pytest.raises(kvflow.StoreUnavailableError) as err:
             store.lookup(["any"])
-        assert time.monotonic() - started < 2
-        started = time.monotonic()
+        assert "did not answer" not in str(err.value), err.value
         assert await engine.lookup(tokens) == 0
         assert engine.stats().lookup_errors >= 1
         other = prompt(2, seed=2)
-        saved = await asyncio.wait_for(engine.save(other, np.arange(16, 20)), 10)
+        saved = await asyncio.wait_for(engine.save(other, np.arange(16, 20)), 60)
         assert not saved.ok
         assert saved.count(ChunkStatus.OK) == 0
         assert engine.stats().store_errors >= 1
-        assert time.monotonic() - started < 5
+        assert engine.stats().timeouts == 0
 
         # the server comes back on the same path: the same store reconnects by itself
         reconnects = store.reconnects
@@ -213,14 +214,14 @@ async def test_server_killed_and_restarted(sock_dir: str, serve: Serve) -> None:
             except kvflow.StoreUnavailableError:
                 return False
 
-        wait_until(answers, 10, "the store to reconnect")
+        wait_until(answers, 60, "the store to reconnect")
         assert store.reconnects == reconnects + 1
         assert await engine.lookup(tokens) == 0  # a new pool: empty
-        assert (await asyncio.wait_for(engine.save(tokens, src), 10)).ok
+        assert (await asyncio.wait_for(engine.save(tokens, src), 60)).ok
         assert await engine.lookup(tokens) == len(tokens)
         for layer in caches:
             layer[dst] = 0
-        loaded = await asyncio.wait_for(engine.load(tokens, dst), 10)
+        loaded = await asyncio.wait_for(engine.load(tokens, dst), 60)
         assert loaded.ok and loaded.count(ChunkStatus.OK) == 4
         assert_blocks_equal(caches, src, dst)
         stats = store.server_stats()
@@ -267,23 +268,23 @@ def test_auto_start_race(sock_dir: str, workers: Workers) -> None:
         assert granted_common >= 1  # `auto/common`: written by one, EXISTS for the others
         live = wait_until(
             lambda: p if len(p := live_server_pids(path)) == 1 else None,
-            30,
+            60,
             "the servers that lost the race to exit",
         )
         assert live == [pid]
         # the four workers and this stats connection (the losers' probes end on their own)
         stats = wait_until(
-            lambda: s if (s := stats_of(path))["clients"] == 5 else None, 10, "five clients"
+            lambda: s if (s := stats_of(path))["clients"] == 5 else None, 60, "five clients"
         )
         assert stats["objects"] == 5 and stats["capacity"] == 64 << 20
         touch(release)
         for w in procs:
-            w.result(30)
+            w.result(60)
         stopped = kvflow_cli("pool", "--socket", path, "stop")
         assert stopped.returncode == 0, stopped.stderr
         # `stop` returns once the socket refuses connections; the process exits just after
-        wait_until(lambda: not os.path.exists(path), 5, "the socket to be removed")
-        wait_until(lambda: not live_server_pids(path), 10, "the server process to exit")
+        wait_until(lambda: not os.path.exists(path), 60, "the socket to be removed")
+        wait_until(lambda: not live_server_pids(path), 60, "the server process to exit")
     finally:
         touch(release)
         for pid in live_server_pids(path):
@@ -308,7 +309,7 @@ def test_auto_start_in_process_leaves_no_resource_warning(sock_dir: str) -> None
     finally:
         for pid in live_server_pids(path):
             os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not live_server_pids(path), 10, "the auto-started server to exit")
+        wait_until(lambda: not live_server_pids(path), 60, "the auto-started server to exit")
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -333,4 +334,4 @@ def test_auto_start_from_a_thread_bound_to_a_compute_core_puts_the_server_elsewh
         os.sched_setaffinity(0, mine)
         for pid in live_server_pids(path):
             os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not live_server_pids(path), 10, "the auto-started server to exit")
+        wait_until(lambda: not live_server_pids(path), 60, "the auto-started server to exit")

@@ -101,12 +101,12 @@ def test_a_client_refuses_a_pool_another_user_planted(sock_dir: str) -> None:
         os.chown(sock_dir, NOBODY, -1)
         try:
             with pytest.raises(kvflow.StoreUnavailableError, match="belongs to uid"):
-                PoolConnection(path, 2.0)
-            store = kvflow.SharedStore(socket=path, timeout_s=2)
+                PoolConnection(path, 60.0)
+            store = kvflow.SharedStore(socket=path, timeout_s=60)
             with pytest.raises(kvflow.StoreUnavailableError):
                 store.lookup(["a"])
             store.close()
-            trusting = kvflow.SharedStore(socket=path, timeout_s=2, server_uids=(NOBODY,))
+            trusting = kvflow.SharedStore(socket=path, timeout_s=60, server_uids=(NOBODY,))
             assert not trusting.lookup(["a"]).any()
             trusting.close()
         finally:
@@ -189,7 +189,7 @@ os.setgid(65534)
 os.setuid(65534)
 assert os.getuid() == 65534
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.settimeout(10)
+s.settimeout(60)
 try:
     s.connect(path)
 except OSError as exc:
@@ -212,7 +212,7 @@ def run_as_nobody(path: str) -> str:
         [sys.executable, "-I", "-c", PEER, path, frame],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=120,
         check=True,
     )
     return out.stdout.strip()
@@ -251,18 +251,18 @@ def test_peers_of_another_uid(allowed: bool) -> None:
 def test_max_clients(sock_dir: str) -> None:
     path = f"{sock_dir}/pool.sock"
     with PoolServer(PoolConfig(socket=path, capacity="1MiB", max_clients=2)) as srv:
-        first = PoolConnection(path, 5.0)
-        second = PoolConnection(path, 5.0)
+        first = PoolConnection(path, 60.0)
+        second = PoolConnection(path, 60.0)
         try:
             with pytest.raises(kvflow.PoolRefusedError, match="limit of 2 connections"):
-                PoolConnection(path, 5.0)
+                PoolConnection(path, 60.0)
             assert srv.stats()["refused_limit"] == 1
             assert srv.stats()["refused_peers"] == 0  # that counts uids refused
             assert srv.stats()["clients"] == 2
             first.goodbye()
             first.unmap()
-            wait_until(lambda: srv.stats()["clients"] == 1, 5, "the first client to leave")
-            third = PoolConnection(path, 5.0)  # room again
+            wait_until(lambda: srv.stats()["clients"] == 1, 60, "the first client to leave")
+            third = PoolConnection(path, 60.0)  # room again
             assert third.request(p.Op.STATS)[0] == p.Code.OK
             third.goodbye()
             third.unmap()
@@ -303,7 +303,7 @@ def test_a_protocol_violation_closes_only_that_connection(case: str) -> None:
         before = store.server_stats()
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            raw.settimeout(5)
+            raw.settimeout(60)
             raw.connect(store.socket_path)
             if case != "request-before-hello":
                 raw.sendall(p.frame(p.Op.HELLO, 1, p.hello_body(os.getpid())))
@@ -325,7 +325,7 @@ def test_a_protocol_violation_closes_only_that_connection(case: str) -> None:
             assert reply[p.HEADER.size :].decode()  # a reason
         else:
             assert reply == b""
-        wait_until(lambda: store.server.stats()["clients"] == 1, 5, "the raw client to go")
+        wait_until(lambda: store.server.stats()["clients"] == 1, 60, "the raw client to go")
         after = store.server_stats()
         for name in ("used", "objects", "pending_writes", "leases", "open_sessions"):
             assert after[name] == before[name], name
@@ -348,9 +348,10 @@ def test_a_protocol_violation_closes_only_that_connection(case: str) -> None:
 
 # -- leases and sessions ----------------------------------------------------------------------
 
-# what a lease lasts in the tests that watch one expire: long beside a stall of a loaded
-# machine between taking it and the checks that it still holds
-LEASE_TTL_S = 2.0
+# what a lease lasts in the tests that watch one expire: far above a stall of a loaded machine
+# between taking it and the checks that it still holds (the tests wait this long, in parallel
+# with the rest of the quick tier)
+LEASE_TTL_S = 10.0
 
 
 def test_read_leases_expire() -> None:
@@ -365,7 +366,7 @@ def test_read_leases_expire() -> None:
             i64(session.addrs[:1]), i64([addr(dst)]), i64([OBJ_BYTES]), Direction.FROM_POOL
         )
         assert failed.size == 0  # the lease holds for now
-        wait_until(lambda: store.server_stats()["expired_leases"] == 1, 10, "the lease to expire")
+        wait_until(lambda: store.server_stats()["expired_leases"] == 1, 60, "the lease to expire")
         stats = store.server_stats()
         assert (stats["leases"], stats["open_sessions"], stats["objects"]) == (0, 0, 1)
         # copies under the lost lease fail, every range of them
@@ -401,7 +402,7 @@ def test_pending_writes_do_not_expire() -> None:
         writing = store.open_write(["slow"], OBJ_BYTES)
         assert writing.granted.all()
         # the reaper has run past the lease limit: the read lease went, the write did not
-        wait_until(lambda: store.server_stats()["expired_leases"] == 1, 10, "the lease to expire")
+        wait_until(lambda: store.server_stats()["expired_leases"] == 1, 60, "the lease to expire")
         stats = store.server_stats()
         assert (stats["pending_writes"], stats["open_sessions"]) == (1, 1)
         src = alloc_registered(store, OBJ_BYTES)
@@ -427,26 +428,26 @@ async def test_a_load_whose_leases_expire_fails_its_chunks() -> None:
     caches = make_caches(num_layers=4, num_blocks=32, seed=5)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=16)
     store = ServedSharedStore(4 << 20, lease_ttl_s=LEASE_TTL_S)
-    config = kvflow.EngineConfig(chunk_blocks=2, prefetch_layers=1, op_timeout_s=10)
+    config = kvflow.EngineConfig(chunk_blocks=2, prefetch_layers=1, op_timeout_s=60)
     try:
         async with kvflow.TransferEngine(layout, store, config) as engine:
             tokens = np.arange(64) + 7
-            assert (await asyncio.wait_for(engine.save(tokens, np.arange(4)), 10)).ok
+            assert (await asyncio.wait_for(engine.save(tokens, np.arange(4)), 60)).ok
             async with await engine.start_load([(tokens, np.arange(4, 8))]) as handle:
-                await handle.wait_layer(0, timeout=5)  # layer 2 waits for us to pass layer 1
+                await handle.wait_layer(0, timeout=60)  # layer 2 waits for us to pass layer 1
                 await asyncio.to_thread(
                     wait_until,
                     lambda: store.server_stats()["expired_leases"] == 1,
-                    10,
+                    60,
                     "the load's lease to expire",
                 )
-                result = await handle.wait(timeout=5)
+                result = await handle.wait(timeout=60)
             assert result.count(kvflow.ChunkStatus.FAILED) == 2, result
             assert not result.ok
             # the pool is fine, and a fresh load works
             stats = store.server_stats()
             assert (stats["leases"], stats["open_sessions"], stats["objects"]) == (0, 0, 2)
-            loaded = await asyncio.wait_for(engine.load(tokens, np.arange(8, 12)), 10)
+            loaded = await asyncio.wait_for(engine.load(tokens, np.arange(8, 12)), 60)
             assert loaded.ok
             for layer in caches:
                 raw = layer.numpy().view(np.uint8)
@@ -480,7 +481,7 @@ def check_released(store: ServedSharedStore, used_before: int) -> None:
     stats = wait_for_stats(
         store.server.stats,
         lambda s: s["released_on_disconnect"] == 2,
-        5,
+        60,
         "the sessions to be released",
     )
     assert stats["pending_writes"] == 0
@@ -488,7 +489,7 @@ def check_released(store: ServedSharedStore, used_before: int) -> None:
     assert stats["open_sessions"] == 0
     assert stats["objects"] == 2
     assert stats["used"] == used_before
-    wait_until(lambda: store.server.stats()["clients"] == 0, 5, "the client to be gone")
+    wait_until(lambda: store.server.stats()["clients"] == 0, 60, "the client to be gone")
 
 
 def test_close_releases_a_clients_sessions() -> None:
@@ -521,7 +522,7 @@ def test_abrupt_disconnect_releases_a_clients_sessions() -> None:
 
 
 def test_raw_connection_close_without_bye_releases(server: PoolServer) -> None:
-    conn = PoolConnection(server.socket_path, 5.0)
+    conn = PoolConnection(server.socket_path, 60.0)
     try:
         code, body = conn.request(p.Op.OPEN_WRITE, p.open_write_body(("x", "y"), OBJ_BYTES))
         assert code == p.Code.OK
@@ -530,7 +531,7 @@ def test_raw_connection_close_without_bye_releases(server: PoolServer) -> None:
     finally:
         conn.close()
         conn.unmap()
-    stats = wait_for_stats(server.stats, lambda s: s["clients"] == 0, 5, "the client to be gone")
+    stats = wait_for_stats(server.stats, lambda s: s["clients"] == 0, 60, "the client to be gone")
     assert (stats["pending_writes"], stats["used"], stats["released_on_disconnect"]) == (0, 0, 1)
 
 
@@ -553,8 +554,8 @@ def test_lookup_of_4096_keys(server: PoolServer) -> None:
 
 def test_sessions_belong_to_their_connection(server: PoolServer) -> None:
     """A connection cannot finish or close another connection's sessions."""
-    one = PoolConnection(server.socket_path, 5.0)
-    two = PoolConnection(server.socket_path, 5.0)
+    one = PoolConnection(server.socket_path, 60.0)
+    two = PoolConnection(server.socket_path, 60.0)
     try:
         code, body = one.request(p.Op.OPEN_WRITE, p.open_write_body(("mine",), OBJ_BYTES))
         handle = p.parse_session(body, 1)[0]
@@ -636,7 +637,7 @@ def test_copies_for_a_lost_connection_fail_after_a_reconnect(sock_dir: str) -> N
     first = PoolServer(PoolConfig(socket=path, capacity=capacity))
     first.start()
     second = None
-    store = kvflow.SharedStore(socket=path, retry_interval_s=0.05, timeout_s=2)
+    store = kvflow.SharedStore(socket=path, retry_interval_s=0.05, timeout_s=60)
     try:
         write_objects(store, {"a": content("a")})
         reading = store.open_read(["a"])
@@ -655,7 +656,7 @@ def test_copies_for_a_lost_connection_fail_after_a_reconnect(sock_dir: str) -> N
             except kvflow.StoreUnavailableError:
                 return False
 
-        wait_until(answers, 5, "the store to reconnect")
+        wait_until(answers, 60, "the store to reconnect")
         assert store._conn is not None and store._conn.base != old_base
         fresh = store.open_write(["b"], OBJ_BYTES)  # the slot the old "b" had, most likely
         assert fresh.granted.all()

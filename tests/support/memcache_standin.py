@@ -31,7 +31,7 @@ G2H, device memory L2G and G2L).
 Every call is recorded in ``calls`` (name, args, kwargs) for order assertions. Faults: the
 ``*_answers`` dicts script per-key answers, ``copy_answer`` fails every ``batch_copy``,
 ``broken`` makes the named calls answer as the real binding does when its client is down, and
-``stall(name)`` holds a call until the returned event is set.
+``stall(name)`` holds a call at the returned gate (``tests.support.gates.Gate``) until it is set.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from tests.support.gates import Gate
 
 __all__ = [
     "Call",
@@ -160,7 +162,7 @@ class MemcacheStandIn:
         self._registered: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self._ticks = itertools.count(1)
-        self._stalls: dict[str, threading.Event] = {}
+        self._stalls: dict[str, Gate] = {}
         self.alloc_answers: dict[str, int] = {}  # key -> batch_alloc's answer, not allocated
         self.lease_answers: dict[str, int] = {}  # key -> batch_add_lease's answer, no lease
         self.finish_answers: dict[str, int] = {}  # key -> batch_write_finish's answer, no change
@@ -182,7 +184,7 @@ class MemcacheStandIn:
         self._record("init", device_id, init_bm)
         stall = self._stalls.get("init")
         if stall is not None:
-            stall.wait(60)
+            stall.wait()
         return self.init_answer
 
     def close(self) -> int:
@@ -376,11 +378,12 @@ class MemcacheStandIn:
             start = self.base - int(self._memory.ctypes.data) + blob.offset
             return self._memory[start : start + blob.size].tobytes()
 
-    def stall(self, name: str) -> threading.Event:
-        """Calls to ``name`` wait (at most 60 s) until the returned event is set."""
-        event = threading.Event()
-        self._stalls[name] = event
-        return event
+    def stall(self, name: str) -> Gate:
+        """Calls to ``name`` wait at the returned gate until it is set (at most its 60 s);
+        ``gate.held`` tells whether one is still held there."""
+        gate = Gate()
+        self._stalls[name] = gate
+        return gate
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -390,7 +393,7 @@ class MemcacheStandIn:
         self._record(name, *args, **kwargs)
         stall = self._stalls.get(name)
         if stall is not None:
-            stall.wait(60)
+            stall.wait()
         if name in self.broken or self.closed:
             return _DOWN[name](n)
         return None

@@ -31,6 +31,9 @@ NUM_BLOCKS = 64
 BLOCK_BYTES = 256  # of one layer: uint8 [BLOCK_SIZE, 16]
 OBJECT_BYTES = LAYERS * CHUNK_BLOCKS * BLOCK_BYTES
 NUM_PROMPTS = 24
+# how long a worker waits for the test's go (or release) file: the test's own steps before it
+# (other workers starting on a loaded machine) take that long at most
+GO_WAIT_S = 180.0
 
 
 def write_json(path: str, value: Any) -> None:
@@ -108,8 +111,9 @@ async def _engine(args: dict[str, Any]) -> dict[str, Any]:
     mine = [i for i in range(NUM_PROMPTS) if i % processes == index]
     caches = make_caches()
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BLOCK_SIZE)
-    store = kvflow.SharedStore(socket=args["socket"], timeout_s=10)
-    config = kvflow.EngineConfig(chunk_blocks=CHUNK_BLOCKS, op_timeout_s=20, copy_timeout_s=10)
+    store = kvflow.SharedStore(socket=args["socket"], timeout_s=60)
+    # far above a stall of the machine the processes share: the test counts any failed chunk
+    config = kvflow.EngineConfig(chunk_blocks=CHUNK_BLOCKS, op_timeout_s=60, copy_timeout_s=60)
     tally = dict.fromkeys(
         ("saves", "saved_chunks", "exists", "no_space", "loads", "loaded_ok", "missing",
          "failed", "mismatches", "loaded_foreign"),
@@ -157,7 +161,7 @@ async def _engine(args: dict[str, Any]) -> dict[str, Any]:
     try:
         async with kvflow.TransferEngine(layout, store, config) as eng:
             write_json(args["ready"], {"pid": os.getpid()})
-            wait_for_file(args["go"], 60)
+            wait_for_file(args["go"], GO_WAIT_S)
             deadline = time.monotonic() + args["seconds"]
             while time.monotonic() < deadline:
                 await save(rng.choice(mine))
@@ -185,7 +189,7 @@ def _registered(store: kvflow.SharedStore, nbytes: int) -> np.ndarray:
 def hold_writes(args: dict[str, Any]) -> dict[str, Any]:
     """Open writes for ``keys``, copy some of their bytes, report, then wait to be killed."""
     keys, nbytes = args["keys"], args["nbytes"]
-    store = kvflow.SharedStore(socket=args["socket"], timeout_s=10)
+    store = kvflow.SharedStore(socket=args["socket"], timeout_s=60)
     buf = _registered(store, nbytes * len(keys))
     session = store.open_write(keys, nbytes)
     granted = np.flatnonzero(session.status == WriteStatus.GRANTED)
@@ -205,7 +209,7 @@ def hold_writes(args: dict[str, Any]) -> dict[str, Any]:
 
 def hold_leases(args: dict[str, Any]) -> dict[str, Any]:
     """Lease ``keys``, report, then wait to be killed."""
-    store = kvflow.SharedStore(socket=args["socket"], timeout_s=10)
+    store = kvflow.SharedStore(socket=args["socket"], timeout_s=60)
     session = store.open_read(args["keys"])
     write_json(args["ready"], {"found": session.found.tolist()})
     time.sleep(args.get("hold_s", 120))
@@ -217,10 +221,10 @@ def autostart(args: dict[str, Any]) -> dict[str, Any]:
     up; report, and hold the connection until the release file appears."""
     from kvflow.pool.launch import read_pid
 
-    wait_for_file(args["go"], 60)
+    wait_for_file(args["go"], GO_WAIT_S)
     started = time.monotonic()
     store = kvflow.SharedStore(
-        socket=args["socket"], auto_start=True, capacity="64MiB", timeout_s=10, start_timeout_s=60
+        socket=args["socket"], auto_start=True, capacity="64MiB", timeout_s=60, start_timeout_s=60
     )
     try:
         own, common = f"auto/{args['tag']}", "auto/common"
@@ -238,7 +242,7 @@ def autostart(args: dict[str, Any]) -> dict[str, Any]:
         )
         store.finish_write(session, np.ones(2, dtype=bool))
         found_own = bool(store.lookup([own])[0])
-        deadline = time.monotonic() + 20  # another worker may still be writing `common`
+        deadline = time.monotonic() + 60  # another worker may still be writing `common`
         while not store.lookup([common])[0] and time.monotonic() < deadline:
             time.sleep(0.01)
         found = store.lookup([own, common]).tolist()
@@ -253,7 +257,7 @@ def autostart(args: dict[str, Any]) -> dict[str, Any]:
             "seconds": connected_s,
         }
         write_json(args["ready"], report)
-        wait_for_file(args["release"], 60)
+        wait_for_file(args["release"], GO_WAIT_S)
     finally:
         store.close()
     return report

@@ -59,6 +59,7 @@ class ServedSharedStore(kvflow.SharedStore):
         self.server = PoolServer(config)
         self.server.start()
         _SERVED.append(self)
+        options.setdefault("timeout_s", 60.0)  # each request's bound: far above a stall
         super().__init__(socket=socket, **options)
 
     def stop_server(self) -> None:
@@ -151,7 +152,7 @@ def memcache_standin_store(
 ) -> kvflow.MemcacheStore:
     """A MemcacheStore over MemcacheStandIn (``tests/support/memcache_standin.py``, memcache's
     calls in memory: no Ascend hardware here) whose pool is an arena of ``capacity`` bytes."""
-    options.setdefault("timeout_s", 5.0)
+    options.setdefault("timeout_s", 60.0)  # each call's bound: far above a stall of the machine
     config = kvflow.MemcacheConfig(
         meta_service_url="tcp://127.0.0.1:5000", config_store_url="tcp://127.0.0.1:6000", **options
     )

@@ -48,7 +48,7 @@ def _end(proc: subprocess.Popen[bytes], term_timeout: float = 10.0) -> None:
             proc.wait(term_timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(10)
+            proc.wait(60)
 
 
 class ServeProcess:
@@ -84,7 +84,7 @@ class ServeProcess:
         """SIGKILL: no cleanup at all, as in a crash."""
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(10)
+        self.proc.wait(60)
 
     def stop(self) -> None:
         _end(self.proc)
@@ -135,7 +135,7 @@ class Worker:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(60)
             raise AssertionError(
                 f"worker {self.tag} ran past {timeout:g} s: {self.output()}"
             ) from None
@@ -148,12 +148,12 @@ class Worker:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(10)
+        self.proc.wait(60)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(60)
 
     def output(self) -> str:
         return _tail(self.log_path)

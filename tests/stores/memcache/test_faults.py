@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import kvflow
 from kvflow import ChunkStatus
 from kvflow.abc import Direction, Store, WriteStatus
+from kvflow.stores.memcache import store as memcache_store
 from tests.support.memcache import CHUNK, chunk_keys, layout_of, same_blocks, tokens
 from tests.support.memcache_standin import NOT_FOUND, KeyInfoStandIn, MemcacheStandIn
 from tests.support.pools import memcache_standin_store
@@ -242,7 +244,12 @@ def test_refused_leases_are_misses_and_a_down_meta_service_fails_the_batch(
     assert store.stats().lease_failures == 1 + 3
 
 
-def test_a_read_lease_past_its_time_fails_the_copy(standin: MemcacheStandIn) -> None:
+def test_a_read_lease_past_its_time_fails_the_copy(
+    standin: MemcacheStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the store's clock is the test's: a stall of the machine cannot run the lease out early
+    now = [1000.0]
+    monkeypatch.setattr(memcache_store, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     store = memcache_standin_store(0, client=standin, read_lease_ttl_ms=100)
     write = store.open_write(["a"], 64)
     src = registered(store, 64)
@@ -254,7 +261,7 @@ def test_a_read_lease_past_its_time_fails_the_copy(standin: MemcacheStandIn) -> 
     session = store.open_read(["a"])
     args = (session.addrs, i64(int(dst.ctypes.data)), i64(64), Direction.FROM_POOL)
     assert store.batch_copy(*args).size == 0 and (dst == 7).all()
-    time.sleep(0.1)  # past 90 % of the lease
+    now[0] += 0.1  # past 90 % of the lease
     dst[:] = 0
     assert store.batch_copy(*args).tolist() == [0]
     assert store.stats().expired_leases == 1
@@ -351,13 +358,13 @@ def test_a_down_client_makes_lookups_miss_and_saves_skip_then_service_resumes(
 def test_a_stalled_call_times_out_as_unavailable(standin: MemcacheStandIn) -> None:
     store = memcache_standin_store(0, client=standin, timeout_s=0.2)
     gate = standin.stall("batch_is_exist")
-    started = time.monotonic()
     with pytest.raises(kvflow.StoreUnavailableError, match=r"did not return within 0\.2 s"):
         store.open_write(["a"], 64)
-    assert time.monotonic() - started < 2
+    assert gate.passed == 0  # the call was still held: the caller did not wait for it
     assert store.stats().pending_writes == 0 and store.stats().unavailable == 1
     gate.set()
     del standin._stalls["batch_is_exist"]
+    store._calls.timeout_s = 60.0  # the call that resumes must not time out on a stalled machine
     assert store.open_write(["a"], 64).status.tolist() == [GRANTED]
     store.close()
 
@@ -374,16 +381,16 @@ def test_close_waits_for_copies_in_flight(standin: MemcacheStandIn) -> None:
         )
     )
     copy.start()
-    while "batch_copy" not in standin.names():
-        time.sleep(0.001)
+    assert gate.reached.wait(60), "the copy did not start"
     closer = threading.Thread(target=store.close)
     closer.start()
-    time.sleep(0.05)
+    time.sleep(0.05)  # time for a close that does not wait to finish (and fail the test)
     assert closer.is_alive(), "close() did not wait for the copy in flight"
     assert "batch_write_finish" not in standin.names()
     gate.set()
-    closer.join(5)
-    copy.join(5)
+    closer.join(60)
+    copy.join(60)
+    assert not closer.is_alive() and not copy.is_alive()
     assert standin.names()[-1] == "batch_write_finish"  # the pending write is aborted after
     assert failed[0].size == 0
 

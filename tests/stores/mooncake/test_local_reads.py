@@ -16,6 +16,7 @@ from tests.support.pools import mooncake_store
 
 N = 4  # objects
 SIZE = 256 << 10  # bytes per object
+WINDOW_S = 60.0  # where a load must copy directly: no stall of the machine outlasts the window
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_objects_in_the_own_segment_are_copied_directly(
     buffers: tuple[np.ndarray, np.ndarray],
 ) -> None:
     src, dst = buffers
-    store = mooncake_store(64 << 20)
+    store = mooncake_store(64 << 20, local_read_window_s=WINDOW_S)
     try:
         assert store.stats().local_endpoint
         save(store, src, keys("a"))
@@ -116,8 +117,8 @@ def test_objects_in_another_segment_go_through_the_transfer_engine(
     """Two clients in one process, each with a segment: B reads what A stored in A's segment
     through the transfer engine (A's memory is in this process too, but it is not B's)."""
     src, dst = buffers
-    a = mooncake_store(64 << 20, key_prefix="shared-local-reads/")
-    b = mooncake_store(64 << 20, key_prefix="shared-local-reads/")
+    a = mooncake_store(64 << 20, key_prefix="shared-local-reads/", local_read_window_s=WINDOW_S)
+    b = mooncake_store(64 << 20, key_prefix="shared-local-reads/", local_read_window_s=WINDOW_S)
     try:
         assert a.stats().local_endpoint != b.stats().local_endpoint
         save(a, src, keys("d"))

@@ -59,7 +59,7 @@ async def test_pure_client_loads_what_another_process_saved(
                 blocks = np.arange(len(tokens) // BLOCK_SIZE) + 40
                 poison(caches, blocks)
                 before = client.stats()
-                result = await asyncio.wait_for(engine.load(tokens, blocks), 20)
+                result = await asyncio.wait_for(engine.load(tokens, blocks), 60)
                 after = client.stats()
                 assert result.ok, (i, result)
                 for c in range(len(tokens) // CHUNK_TOKENS):
@@ -83,7 +83,7 @@ async def test_a_pure_client_cannot_save_without_segments(own_master: MooncakeMa
     try:
         async with kvflow.TransferEngine(layout, client, config) as engine:
             tokens = prompts()[0]
-            result = await asyncio.wait_for(engine.save(tokens, np.arange(4)), 20)
+            result = await asyncio.wait_for(engine.save(tokens, np.arange(4)), 60)
             assert result.count(ChunkStatus.NO_SPACE) == len(tokens) // CHUNK_TOKENS
             assert client.stats().no_space == len(tokens) // CHUNK_TOKENS
             assert await engine.lookup(tokens) == 0
