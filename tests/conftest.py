@@ -33,6 +33,7 @@ SLOW_TIMEOUT_S = 900  # one slow test: a few vLLM instances on a loaded 2-core m
 QUICK_WORKERS, SLOW_WORKERS = 4, 2
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's: a run without it (benchmarks/gpu_check.sh)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (pyproject's default): the tier's number of xdist workers. The quick tier
     mostly waits on other processes and threads, so more workers than cores pay; each slow

@@ -244,7 +244,10 @@ async def test_metadata_call_that_hangs_times_out(setup) -> None:
 async def test_cancelling_the_caller_releases_leases_and_slots(setup, op: str) -> None:
     caches, layout, store = setup
     gate = Gate()
-    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, copy_timeout_s=0.5)
+    # a cancelled batch waits for its copies up to the copy timeout, and the gate holds this
+    # one: 5 s, so the cancellation returns while it is held, and only a stall longer than that
+    # between the copy's arrival at the gate and the cancel could let the load end first
+    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, copy_timeout_s=5)
     async with kvflow.TransferEngine(layout, store, cfg) as e:
         tokens = tokens_for(3)
         await e.save(tokens, np.arange(6))

@@ -169,24 +169,40 @@ class ForkServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [python, "-m", "tests.support.vllm_run", "--fork-server"],
-                cwd=REPO, env={**os.environ, **ENV}, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=log, start_new_session=True,
-            )  # fmt: skip
+                cwd=REPO,
+                env={**os.environ, **ENV},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+                bufsize=0,  # unbuffered: reading one answer never takes the next one with it
+            )
 
     def run(self, arg_path: Path, out_path: Path, log: Path, env: dict[str, str]) -> int:
-        """Run ``tests.support.vllm_run`` on ``arg_path`` in a forked child; its exit code."""
-        request = {"args": str(arg_path), "out": str(out_path), "log": str(log), "env": env}
+        """Run ``tests.support.vllm_run`` on ``arg_path`` in a forked child; its exit code.
+        However the wait ends (the run done, past ``RUN_TIMEOUT_S``, pytest's timeout, an
+        interrupt), the run's process group is killed: nothing it started outlives it."""
+        request = {
+            "args": str(arg_path),
+            "out": str(out_path),
+            "log": str(log),
+            "env": env,
+            "limit_s": RUN_TIMEOUT_S + START_TIMEOUT_S,  # the child's own alarm, if we are gone
+        }
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
         pid = self._read("pid", START_TIMEOUT_S)
+        status: int | None = None
         try:
-            return self._read("status", RUN_TIMEOUT_S)
+            status = self._read("status", RUN_TIMEOUT_S)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            self._read("status", START_TIMEOUT_S)
             raise AssertionError(f"a vLLM run ran past {RUN_TIMEOUT_S} s (log: {log})") from None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # the run cut short, or what it left behind
+            if status is None:  # the server reaps it: the next run's answers come in order
+                self._read("status", START_TIMEOUT_S)
+        return status
 
     def _read(self, field: str, timeout: float) -> int:
         stdout = self.proc.stdout

@@ -16,16 +16,18 @@ summed over labels), such as ``vllm:spec_decode_num_draft_tokens``. With
 off (MLA models), as a reference for connector hits.
 
 ``python -m tests.support.vllm_run --fork-server`` imports vLLM once and then, for each request
-line on its standard input (``{"args", "out", "log", "env"}``), forks a child that runs it as
-above in a process group of its own, its output in ``log`` and ``env`` set: each run is a fresh
-process without paying vLLM's import again (~8 s here). It answers each request with two
-lines, ``{"pid"}`` when the child started and ``{"status"}`` (its exit code) when it ended.
+line on its standard input (``{"args", "out", "log", "env", "limit_s"}``), forks a child that
+runs it as above in a process group of its own, its output in ``log``, ``env`` set and an alarm
+at ``limit_s``: each run is a fresh process without paying vLLM's import again (~8 s here). It
+answers each request with two lines, ``{"pid"}`` when the child started and ``{"status"}`` (its
+exit code) when it ended.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -159,6 +161,7 @@ def _child(request: dict[str, Any]) -> NoReturn:
     code = 1
     try:
         os.setpgid(0, 0)  # a group of its own: a run past its time is killed with its children
+        signal.alarm(int(request["limit_s"]))  # ends the run even if nobody is left to kill it
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
