@@ -4,7 +4,8 @@ Two tiers. The quick one, the default run, leaves out tests marked ``slow``: tho
 real vLLM (marked ``vllm`` too) or run for minutes; ``pytest -m slow`` runs them, ``pytest -m
 ""`` runs both. A test gets its tier's markers from the fixtures it uses (``MARKS_BY_FIXTURE``),
 so a test that starts vLLM cannot forget its own; and, unless it names its own, its tier's
-per-test timeout (pyproject's ``timeout`` for the quick tier, ``SLOW_TIMEOUT_S`` for the slow).
+per-test timeout (pyproject's ``timeout``, 300 s, for the quick tier; ``SLOW_TIMEOUT_S`` for
+the slow one).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ def test_copy(tmp_path: Path) -> None:
     assert any(r["loop"] == "python" for r in rows)
 
 
+@pytest.mark.timeout(900)  # the quick tier's longest (~40 s idle), ~4x that on a loaded machine
 def test_pool(tmp_path: Path) -> None:
     """The shared pool against the embedded one: real ``kvflow serve`` processes."""
     result = bench(
