@@ -26,9 +26,11 @@ from kvflow.pool.store_config import SharedStoreConfig
 from kvflow.stores.memcache.config import MemcacheConfig
 from kvflow.stores.mooncake.config import MooncakeConfig
 
-__all__ = ["AUTO", "STORES", "ConnectorConfig"]
+__all__ = ["AUTO", "ROLES", "STORES", "ConnectorConfig"]
 
 STORES = ("shared", "mooncake", "memcache", "local")
+# vLLM's ``kv_transfer_config.kv_role``: a prefill node, a decode node, or both at once
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
 AUTO: Literal["auto"] = "auto"
 # a hit ends at a chunk boundary: a turn's prompt beyond its last whole chunk is recomputed.
 # Measured in vllm serve (docs/benchmarks.md, "chunk size"): 64 tokens got multi-turn chat 17 %
@@ -57,7 +59,13 @@ class ConnectorConfig:
             Hits are whole chunks.
         use_layerwise: load layer by layer while the model computes (true), or load every layer
             before the forward (false: the comparison point).
-        save: store newly computed prompt chunks; load: look up and load them.
+        save: store newly computed prompt chunks; load: look up and load them. What an
+            instance saves also depends on vLLM's ``kv_role`` (``saves_as``).
+        save_decode_cache: also store the chunks of generated tokens (the KV a multi-turn
+            follow-up reuses), each once its tokens are final (the step after the one that
+            computed its last token). On a ``kv_consumer``, which otherwise saves nothing, it
+            also stores the prompt chunks it computed itself (as vLLM's
+            ``MooncakeStoreConnector``'s key of the same name).
         prefetch_layers, save_backlog, copy_threads, op_timeout_s, copy_timeout_s: the
             TransferEngine's (``EngineConfig``).
         copy_cpus: CPUs the copy threads (and a worker's Mooncake client threads) are pinned
@@ -87,6 +95,7 @@ class ConnectorConfig:
     use_layerwise: bool = True
     save: bool = True
     load: bool = True
+    save_decode_cache: bool = False
     prefetch_layers: int = DEFAULT_PREFETCH_LAYERS
     save_backlog: int = DEFAULT_SAVE_BACKLOG
     copy_threads: int = 1
@@ -103,8 +112,8 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         if self.store not in STORES:
             raise ConfigError("store", self.store, f"expected one of {STORES}")
-        flags = ("use_layerwise", "save", "load", "debug_corrupt_loads", "debug_fail_loads")
-        for name in (*flags, "debug_skip_saves"):
+        flags = ("use_layerwise", "save", "load", "save_decode_cache", "debug_corrupt_loads")
+        for name in (*flags, "debug_fail_loads", "debug_skip_saves"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "must be true or false")
         for name in ("shared", "mooncake", "memcache"):
@@ -141,6 +150,15 @@ class ConnectorConfig:
         are an error that lists the known ones."""
         values = dict(extra or {})
         return from_dict(cls, values)
+
+    def saves_as(self, kv_role: object) -> bool:
+        """Whether an instance in vLLM's ``kv_role`` stores chunks: a ``kv_producer`` (a
+        prefill node: it also loads hits, as a shared system prompt) and ``kv_both`` do, unless
+        ``save`` is false; a ``kv_consumer`` (a decode node: it loads what the producer stored)
+        only with ``save_decode_cache``. ConfigError naming ``kv_role`` for any other value."""
+        if not isinstance(kv_role, str) or kv_role not in ROLES:
+            raise ConfigError("kv_role", kv_role, f"expected one of {ROLES}")
+        return self.save and (kv_role != "kv_consumer" or self.save_decode_cache)
 
     def chunk_blocks_for(self, block_size: int) -> int:
         return self.chunk_blocks or max(1, DEFAULT_CHUNK_TOKENS // block_size)

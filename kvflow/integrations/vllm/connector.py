@@ -120,6 +120,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         trace.set_role(role.name.lower())
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra_config(extra)
+        kv_role = vllm_config.kv_transfer_config.kv_role
+        self.config.saves_as(kv_role)  # refuses a role it does not know, at start
         assert kv_cache_config is not None, "this vLLM passes no kv_cache_config"
         check_supported(vllm_config, kv_cache_config)
         groups = [
@@ -135,7 +137,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_scheduler: KVFlowConnectorScheduler | None = None
         self.connector_worker: KVFlowConnectorWorker | GroupWorkers | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVFlowConnectorScheduler(self.config, groups)
+            self.connector_scheduler = KVFlowConnectorScheduler(self.config, groups, kv_role)
         elif len(groups) == 1:
             self.connector_worker = KVFlowConnectorWorker(self.config, groups[0], vllm_config)
         else:

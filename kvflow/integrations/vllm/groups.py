@@ -97,6 +97,12 @@ class GroupPlanner:
             saves += group_saves
         return loads, saves
 
+    def take_unsaved_chunks(self) -> int:
+        """Chunks the first group would have saved (every group's chunks end at the same
+        tokens)."""
+        unsaved = [p.take_unsaved_chunks() for p in self.planners]
+        return unsaved[0]
+
     def finished(self, req_id: str) -> None:
         for p in self.planners:
             p.finished(req_id)

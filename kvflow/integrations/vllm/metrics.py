@@ -60,6 +60,11 @@ COUNTERS = (
     ),
     ("save_failed_tokens", "vllm:kvflow_save_failed_tokens", "Tokens whose save failed."),
     ("save_failed_chunks", "vllm:kvflow_save_failed_chunks", "Chunks whose save failed."),
+    (
+        "role_unsaved_tokens",
+        "vllm:kvflow_role_unsaved_tokens",
+        "Prompt tokens computed and not saved: a kv_consumer saves nothing.",
+    ),
     ("layer_waits", "vllm:kvflow_layer_waits", "Waits of the model thread for a layer's load."),
     ("layer_wait_s", "vllm:kvflow_layer_wait_seconds_sum", "Seconds of those waits."),
 )
@@ -103,7 +108,8 @@ class KVFlowConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in ("loads", "saves", "lookups"))
+        counted = ("loads", "saves", "lookups", "role_unsaved_tokens")
+        return not any(self.data[name] for name in counted)
 
     # -- recording (the connector's calls, in its StatsInterval's update) --------------------
 

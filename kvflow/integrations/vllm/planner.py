@@ -2,8 +2,13 @@
 load into which blocks, and which newly computed chunks to save, step by step.
 
 A chunk is ``chunk_blocks`` vLLM blocks; its key is its last block's hash (vLLM's block hashes
-are prefix-chained, so that hash names the whole prefix). Only prompt chunks are stored. A hit
-never covers the whole prompt: the token that produces the first output is always computed.
+are prefix-chained, so that hash names the whole prefix). Prompt chunks are stored in the step
+that computes their last token; with ``save_generated`` the chunks of generated tokens too, each
+in the step after the one that computed its last token (the tokens computed before a step are
+final: a speculative step's rejected drafts are not among them). A hit never covers the whole
+prompt: the token that produces the first output is always computed. A planner that does not
+save (``save`` false: a ``kv_consumer``) counts the prompt chunks it would have saved
+(``take_unsaved_chunks``).
 
 A load starts in the chunk where vLLM's own prefix-cache hit ends. That hit is counted in
 blocks, so it often ends inside a chunk: the chunk is loaded all the same, its blocks vLLM holds
@@ -148,6 +153,7 @@ class ChunkPlanner:
         lookup: Callable[[list[bytes], list[bytes]], np.ndarray],
         load: bool = True,
         save: bool = True,
+        save_generated: bool = False,
         window: int = 0,
         async_loads: bool | None = None,
         group: int = 0,
@@ -162,6 +168,8 @@ class ChunkPlanner:
         self._async = bool(window) if async_loads is None else async_loads
         self._lookup = lookup
         self._load, self._save = load, save
+        self._save_generated = save_generated
+        self._unsaved = 0  # prompt chunks computed and not saved (``save`` false), uncounted yet
         self._tracked: dict[str, _Tracked] = {}
         self._hits: dict[str, _Hit] = {}  # found by the lookup
         self._loads: dict[str, _Hit] = {}  # allocated: load in the next step
@@ -319,18 +327,27 @@ class ChunkPlanner:
                 end = load.first + load.chunks
                 loads.append(self._transfer(req_id, t, hashes, load.first, end, skip=load.skip))
                 t.stored_chunks = max(t.stored_chunks, end)
-            if not self._save:
-                continue
-            done = min(computed + scheduled_tokens, t.prompt_tokens) // self.chunk_tokens
+            ended = min(computed + scheduled_tokens, t.prompt_tokens)
+            if self._save_generated:  # generated tokens' KV, once their tokens are final
+                ended = max(ended, computed)
             done = min(
-                done, len(hashes) // self.chunk_blocks, len(t.block_ids) // self.chunk_blocks
+                ended // self.chunk_tokens,
+                len(hashes) // self.chunk_blocks,
+                len(t.block_ids) // self.chunk_blocks,
             )
             first = self._savable(t, computed, done)
-            if done > first:
+            if done > first and self._save:
                 saves.append(self._transfer(req_id, t, hashes, first, done))
                 self._seen.add(saves[-1].hashes)
+            elif done > first:
+                self._unsaved += done - first
             t.stored_chunks = max(t.stored_chunks, done)
         return loads, saves
+
+    def take_unsaved_chunks(self) -> int:
+        """The chunks a planner that does not save would have saved, since the last call."""
+        out, self._unsaved = self._unsaved, 0
+        return out
 
     def _savable(self, t: _Tracked, computed: int, done: int) -> int:
         """The first chunk from ``t.stored_chunks`` whose blocks vLLM still holds in a step

@@ -49,9 +49,20 @@ log = logging.getLogger("kvflow")
 class KVFlowConnectorScheduler:
     """The scheduler side of ``KVFlowConnector``: the pool lookups and the step plans."""
 
-    def __init__(self, config: ConnectorConfig, groups: Sequence[CacheGroup]) -> None:
+    def __init__(
+        self, config: ConnectorConfig, groups: Sequence[CacheGroup], kv_role: str = "kv_both"
+    ) -> None:
         self.config = config
         self.group = groups[0]
+        saves = config.saves_as(kv_role)
+        log.info(
+            "kvflow: %s: %s%s",
+            kv_role,
+            "looks up and loads" if config.load else "loads nothing",
+            (", saves generated chunks too" if config.save_decode_cache else ", saves prompts")
+            if saves
+            else ", saves nothing",
+        )
         self._store = open_pool(config, scheduler=True)
         ranks = [0] if self.group.mla else list(range(self.group.tp_size))
         # per group, its keys on every rank
@@ -64,7 +75,8 @@ class KVFlowConnectorScheduler:
                     chunk_blocks=group.chunk_blocks,
                     lookup=functools.partial(self._lookup, g),
                     load=config.load,
-                    save=config.save,
+                    save=saves,
+                    save_generated=config.save_decode_cache,
                     window=group.window,
                     async_loads=True if several else None,
                     group=g,
@@ -163,6 +175,10 @@ class KVFlowConnectorScheduler:
                 )
             )
         loads, saves = self._planner.step(scheduled)
+        unsaved = self._planner.take_unsaved_chunks()
+        if unsaved:
+            with self._stats.update() as stats:
+                stats.data["role_unsaved_tokens"] += unsaved * self.group.chunk_tokens
         return KVFlowConnectorMetadata(
             loads=loads, saves=saves, async_loads=self._planner.take_async_loads()
         )

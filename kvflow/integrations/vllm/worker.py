@@ -78,6 +78,7 @@ class _Step:
         self.save_stopped = False
         self.save_written = False  # some layer reached the save (else the step had no forward)
         self.held_layer: int | None = None  # the last layer, held from the save (see _end_step)
+        self.hooked_layer = -1  # the last layer the forward reached (a per-layer hook came)
         self.ended = False
         self.ident = id(self)  # the trace's id of the step's load and save spans
 
@@ -291,6 +292,8 @@ class KVFlowConnectorWorker:
     def wait_for_layer_load(self, layer_name: str) -> None:
         step = self._start_load()
         layer = self._layer_index.get(layer_name)
+        if step is not None and layer is not None:
+            step.hooked_layer = max(step.hooked_layer, layer)
         if step is None or step.load is None or layer is None or not self.config.use_layerwise:
             return
         self._wait_layer(step, layer)
@@ -313,6 +316,8 @@ class KVFlowConnectorWorker:
     def save_kv_layer(self, layer_name: str) -> None:
         step = self._start_load()
         layer = self._layer_index.get(layer_name)
+        if step is not None and layer is not None:
+            step.hooked_layer = max(step.hooked_layer, layer)
         if step is None or step.save is None or layer is None or step.save_stopped:
             return
         try:
@@ -341,10 +346,13 @@ class KVFlowConnectorWorker:
             return
         step.ended = True
         self._start_load()
+        cut = self._forward_cut(step)
+        if cut:
+            self._stop_cut_step(step)
         if step.load is not None or step.load_failed:
             self._finish_load(step)
         failed = step.load_failed
-        if step.meta.loads and step.meta.saves:  # the same on every rank: all of them agree
+        if step.meta.loads and step.meta.saves and not cut:  # the same on every rank
             failed = self._failed_on_any_rank(failed)
         if step.save is not None:
             if failed or step.save_stopped or not step.save_written:
@@ -353,6 +361,28 @@ class KVFlowConnectorWorker:
                 self._finish_save(step.save)
             if trace.ENABLED:
                 trace.async_end("step_save", step.ident, "step")
+
+    def _forward_cut(self, step: _Step) -> bool:
+        """Whether the step's forward stopped before its last layer: it raised, and vLLM ends
+        the step all the same. Every layer of a forward calls a hook, and only a step with
+        scheduled tokens (a forward) has a load that layer waits pace."""
+        if step.hooked_layer >= 0:
+            return step.hooked_layer < self._last_layer
+        return bool(step.meta.loads) and step.load is not None and self.config.use_layerwise
+
+    def _stop_cut_step(self, step: _Step) -> None:
+        """Stop a cut step's transfers at once, without waiting for layers that will never
+        come: its load is dropped (every block reported failed), its save too (it holds layers
+        of a forward that did not end: never stored)."""
+        log.warning(
+            "kvflow: the step's forward stopped after layer %d of %d; its load and save stopped",
+            step.hooked_layer,
+            self._last_layer,
+        )
+        if step.load is not None:
+            self._drop(step.load, "load")
+            step.load, step.load_failed = None, True
+        step.save_stopped = True  # dropped below, with the save of any failed step
 
     def _failed_on_any_rank(self, failed: bool) -> bool:
         """Whether the step's load failed on any tensor-parallel rank. Attention outputs are

@@ -83,6 +83,7 @@ def test_every_key_is_accepted() -> None:
         "use_layerwise": False,
         "save": False,
         "load": False,
+        "save_decode_cache": True,
         "prefetch_layers": 3,
         "save_backlog": 5,
         "copy_threads": 2,
@@ -138,6 +139,7 @@ def test_unknown_key_lists_the_known_ones() -> None:
         ("use_layerwise", 1),
         ("save", None),
         ("load", 0),
+        ("save_decode_cache", "true"),
         ("debug_corrupt_loads", "true"),
         ("debug_skip_saves", 1),
         ("debug_rank", -1),
@@ -167,6 +169,36 @@ def test_bad_value_names_its_field(field: str, value: Any) -> None:
     err = config_error({field: value})
 
     assert err.argument == field
+
+
+@pytest.mark.parametrize(
+    ("role", "save", "save_decode_cache", "saves"),
+    [
+        ("kv_both", True, False, True),
+        ("kv_producer", True, False, True),
+        ("kv_consumer", True, False, False),
+        ("kv_consumer", True, True, True),
+        ("kv_producer", False, False, False),
+        ("kv_consumer", False, True, False),
+    ],
+)
+def test_what_each_kv_role_saves(
+    role: str, save: bool, save_decode_cache: bool, saves: bool
+) -> None:
+    config = ConnectorConfig(save=save, save_decode_cache=save_decode_cache)
+
+    assert config.saves_as(role) is saves
+
+
+@pytest.mark.parametrize("role", ["kv_prefill", "", None, "KV_BOTH", 1])
+def test_an_unknown_kv_role_is_refused_naming_the_accepted_ones(role: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        ConnectorConfig().saves_as(role)
+
+    assert info.value.argument == "kv_role"
+    assert info.value.value == role
+    for accepted in ("kv_producer", "kv_consumer", "kv_both"):
+        assert accepted in str(info.value)
 
 
 @pytest.mark.parametrize(

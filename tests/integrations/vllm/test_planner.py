@@ -246,8 +246,11 @@ def test_save_false_loads_but_never_saves() -> None:
 
     assert per_chunk(loads) == expected(req, range(2), blocks)
     assert saves == []
+    assert p.take_unsaved_chunks() == 3  # what a kv_consumer computed and did not store
+    assert p.take_unsaved_chunks() == 0
     req.decode(1)
     assert p.step([running(req, None, req.prompt_tokens, 1)]) == ([], [])
+    assert p.take_unsaved_chunks() == 0
 
 
 # -- loads ------------------------------------------------------------------------------------
@@ -445,6 +448,38 @@ def test_decode_steps_save_nothing_past_the_prompt() -> None:
         loads, saves = p.step([running(req, new_ids, computed, 1)])
         assert (loads, saves) == ([], []), computed
         computed += 1
+
+
+def test_save_generated_saves_each_decode_chunk_once_its_tokens_are_final() -> None:
+    """``save_decode_cache``: a chunk of generated tokens is saved in the step after the one
+    that computed its last token (the tokens computed before a step are final), once."""
+    pool = FakePool()
+    req = request("r", 2 * CT + 1)
+    p = planner(pool, save_generated=True)
+    match(p, req)
+    blocks = list(range(5))
+    _, saves = p.step([new(req, blocks, 0, req.prompt_tokens)])
+    assert per_chunk(saves) == expected(req, range(2), blocks)
+
+    computed, next_block, saved = req.prompt_tokens, 5, {}
+    for _ in range(3 * CT):
+        new_ids = None
+        if computed % BS == 0:
+            new_ids, next_block = [next_block], next_block + 1
+            blocks += new_ids
+        req.decode(computed + 1 - req.prompt_tokens)
+        loads, saves = p.step([running(req, new_ids, computed, 1)])
+        assert loads == []
+        for _, chunk, key, ids in per_chunk(saves):
+            assert chunk not in saved and computed >= (chunk + 1) * CT, (chunk, computed)
+            saved[chunk] = (key, ids)
+        computed += 1
+
+    chunks = (computed - 1) // CT  # the last token's own KV is computed in the last step
+    assert sorted(saved) == list(range(2, chunks))
+    assert [saved[c] for c in range(2, chunks)] == [
+        (req.chunk_hash(c), tuple(blocks[c * CB : (c + 1) * CB])) for c in range(2, chunks)
+    ]
 
 
 def test_preempted_request_resumed_with_a_load_saves_no_chunk_twice() -> None:
