@@ -43,12 +43,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kvflow_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """``--kv-transfer-config`` for KVFlowConnector with ``kv_connector_extra_config`` ``extra``."""
+def kvflow_transfer_config(extra: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:
+    """``--kv-transfer-config`` for KVFlowConnector with ``kv_connector_extra_config`` ``extra``,
+    in vLLM's ``kv_role`` ``role``."""
     return {
         "kv_connector": "KVFlowConnector",
         "kv_connector_module_path": "kvflow.integrations.vllm",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
@@ -82,7 +83,8 @@ def serve_args(
 
 class Server:
     """One ``vllm serve`` process (with its engine and worker processes: one process group),
-    on a free loopback port. ``ready()`` waits for ``/health``; ``stop()`` ends the group."""
+    on a free loopback port. ``ready()`` waits for ``/health``; ``stop()`` ends the group.
+    ``Server.proxy`` starts the P/D proxy of ``examples/pd_proxy.py`` the same way."""
 
     def __init__(
         self,
@@ -93,15 +95,15 @@ class Server:
         log: Path,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        command: list[str] | None = None,
     ) -> None:
         self.port = free_port()
         self.log = log
-        command = [
-            python, "-m", "vllm.entrypoints.openai.api_server",
+        command = [python, *(command or [
+            "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(self.port),
             "--disable-uvicorn-access-log", *args,
-        ]  # fmt: skip
+        ]), "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 command,
@@ -111,6 +113,16 @@ class Server:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its engine and worker processes go with it
             )
+
+    @classmethod
+    def proxy(
+        cls, python: str, prefill: list[Server], decode: list[Server], *, log: Path
+    ) -> Server:
+        """``examples/pd_proxy.py`` in front of the ``prefill`` and ``decode`` servers."""
+        script = str(Path(__file__).resolve().parents[2] / "examples" / "pd_proxy.py")
+        urls = [a for s in prefill for a in ("--prefill", s.url)]
+        urls += [a for s in decode for a in ("--decode", s.url)]
+        return cls(python, "", [], log=log, command=[script, *urls])
 
     @property
     def url(self) -> str:

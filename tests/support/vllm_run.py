@@ -13,7 +13,10 @@ once more after the last (so the last difference is what counting alone costs). 
 ``counters`` (true), ``counters``: vLLM's counters after the last batch (``LLM.get_metrics``,
 summed over labels), such as ``vllm:spec_decode_num_draft_tokens``. With
 ``force_prefix_caching`` (true), vLLM's prefix cache stays on where its CPU platform turns it
-off (MLA models), as a reference for connector hits.
+off (MLA models), as a reference for connector hits. ``kv_role``: vLLM's (``kv_both`` unless
+given). With ``fail_layer`` (a layer index), that decoder layer's forward raises once the
+instance is up (as a model vLLM's kernels cannot run would): the first batch's error is
+written as ``error`` and no batch runs after it; needs vLLM's engine core in this process.
 
 ``python -m tests.support.vllm_run --fork-server`` imports vLLM once and then, for each request
 line on its standard input (``{"args", "out", "log", "env", "limit_s"}``), forks a child that
@@ -52,7 +55,7 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVFlowConnector",
             "kv_connector_module_path": "kvflow.integrations.vllm",
-            "kv_role": "kv_both",
+            "kv_role": args.get("kv_role", "kv_both"),
             "kv_load_failure_policy": args.get("failure_policy", "recompute"),
             "kv_connector_extra_config": args["extra"],
         }
@@ -69,8 +72,17 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
     batches = [[p] for p in prompts] if args.get("one_by_one") else [prompts]
     pool_socket = args.get("pool_socket")
     requests = [_pool_requests(pool_socket)] if pool_socket else []
+    error = None
+    if "fail_layer" in args:
+        _fail_layer(args["fail_layer"])
     for batch in batches:
-        outputs.extend(llm.generate(batch, params, use_tqdm=False))
+        try:
+            outputs.extend(llm.generate(batch, params, use_tqdm=False))
+        except Exception as exc:
+            if "fail_layer" not in args:
+                raise
+            error = repr(exc)
+            break
         if pool_socket:
             requests.append(_pool_requests(pool_socket))
     if pool_socket:
@@ -87,6 +99,7 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
             for o in outputs
         ],
         "pool_requests": requests,
+        "error": error,
     }
     if args.get("counters"):
         result["counters"] = _counters(llm)
@@ -107,6 +120,22 @@ def _force_prefix_caching() -> None:
         vllm_config.cache_config.enable_prefix_caching = True
 
     CpuPlatform.check_and_update_config = classmethod(keep_prefix_caching)
+
+
+def _fail_layer(index: int) -> None:
+    """Make decoder layer ``index`` of a Llama model raise in its forward, before its attention
+    (the layers before it ran, with their connector hooks)."""
+    from vllm.model_executor.models.llama import LlamaDecoderLayer
+
+    forward = LlamaDecoderLayer.forward
+    name = f"layers.{index}."
+
+    def failing(self: Any, *a: Any, **k: Any) -> Any:
+        if name in self.self_attn.attn.layer_name:
+            raise RuntimeError(f"the model failed at layer {index} (a test's doing)")
+        return forward(self, *a, **k)
+
+    LlamaDecoderLayer.forward = failing
 
 
 def _counters(llm: Any) -> dict[str, int]:
