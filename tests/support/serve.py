@@ -330,7 +330,10 @@ def kvflow_mooncake_extra(master: str, segment: str, **more: Any) -> dict[str, A
 
 def mooncake_store_connector_env(path: Path, master: str, segment: str) -> dict[str, str]:
     """Write vLLM's MooncakeStoreConnector config (tcp on loopback, master ``master``, segment
-    ``segment``, e.g. "1GB") to ``path``; the environment that names it."""
+    ``segment``, e.g. "1GB") to ``path``; the environment that names it, and the address the
+    connector registers its segment under (it takes vLLM's ``VLLM_HOST_IP``, not the file's
+    ``local_hostname``: without it, this machine's interface address, which another
+    instance's reads of that segment here time out on)."""
     config = {
         "metadata_server": "P2PHANDSHAKE",
         "master_server_address": master,
@@ -341,7 +344,7 @@ def mooncake_store_connector_env(path: Path, master: str, segment: str) -> dict[
         "local_buffer_size": "256MB",
     }
     path.write_text(json.dumps(config))
-    return {"MOONCAKE_CONFIG_PATH": str(path)}
+    return {"MOONCAKE_CONFIG_PATH": str(path), "VLLM_HOST_IP": "127.0.0.1"}
 
 
 def order(rows: list[str], i: int) -> list[str]:

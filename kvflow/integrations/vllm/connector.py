@@ -98,6 +98,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     """kvflow's layerwise KV pool for vLLM. ``kv_transfer_config={"kv_connector":
     "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm", "kv_role":
     "kv_both", "kv_connector_extra_config": {...}}``; see ``ConnectorConfig`` for the keys.
+    ``kv_role`` ``kv_producer`` (a prefill node) looks up, loads and saves as ``kv_both`` does;
+    ``kv_consumer`` (a decode node) looks up and loads, and saves only with
+    ``save_decode_cache`` (``ConnectorConfig.saves_as``); any other role is refused at start.
 
     Concurrency: vLLM calls each side from one thread (the scheduler's loop; the worker's model
     thread). Worker hooks block at most ``op_timeout_s`` each (a stuck load costs one timeout

@@ -6,7 +6,9 @@ then at once (no sleep) to the consumer, whose answer comes back. Checked, per p
 consumer's external hits are every whole chunk of every prompt (the producer's save was
 committed before it answered), its tokens are those of one instance without a connector, the
 consumer saved nothing (its own counters) while the producer saved every prompt chunk, and a
-prompt sent to the consumer directly (no prefill) is computed there and not stored.
+prompt sent to the consumer directly (no prefill) is computed there and not stored. With the
+shared pool stopped, requests through the proxy still get the single instance's tokens (every
+lookup a miss, nothing waits).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 PROMPTS = [_tokens(200 + 37 * i, 500 + i) for i in range(8)]  # 200..459 tokens
 DIRECT = _tokens(330, 599)  # sent to the consumer without a prefill
+DOWN = _tokens(280, 598)  # sent through the proxy with the shared pool stopped
 
 
 def _chunked(prompt: list[int]) -> int:
@@ -67,7 +70,8 @@ def _answers(url: str, prompts: list[list[int]]) -> list[list[int]]:
 def _start(python: str, model: str, tmp: Path, name: str, **more: Any) -> Server:
     log = tmp / f"{name}.log"
     keep_log(log)
-    return Server(python, model, serve_args(**ARGS, **more), log=log, cwd=str(REPO))
+    args = [*serve_args(**ARGS, **more), "--dtype", "float32"]  # tokens exact across paths
+    return Server(python, model, args, log=log, cwd=str(REPO))
 
 
 @contextlib.contextmanager
@@ -90,7 +94,11 @@ def reference(
     tmp = tmp_path_factory.mktemp("pd-reference")
     server = _start(vllm_python, tiny_model, tmp, "reference")
     with _running(server):
-        return {"prompts": _answers(server.url, PROMPTS), "direct": _answers(server.url, [DIRECT])}
+        return {
+            "prompts": _answers(server.url, PROMPTS),
+            "direct": _answers(server.url, [DIRECT]),
+            "down": _answers(server.url, [DOWN]),
+        }
 
 
 @pytest.fixture
@@ -99,7 +107,11 @@ def shared_pool(tmp_path: Path) -> Iterator[dict[str, Any]]:
     server = PoolServer(PoolConfig(socket=socket, capacity="256MiB"))
     server.start()
     try:
-        yield {"shared": {"socket": socket}, "lookup_timeout_s": 30.0}
+        yield {
+            # no auto-start: a stopped pool stays stopped (and nothing outlives the test)
+            "extra": {"shared": {"socket": socket, "auto_start": False}, "lookup_timeout_s": 30.0},
+            "stop": server.stop,
+        }
     finally:
         server.stop()
 
@@ -110,7 +122,8 @@ def mooncake_pool() -> Iterator[dict[str, Any]]:
     from kvflow.stores.mooncake.master import MooncakeMaster
 
     with MooncakeMaster() as master:
-        yield {**kvflow_mooncake_extra(master.address, "128MiB"), "lookup_timeout_s": 30.0}
+        extra = kvflow_mooncake_extra(master.address, "128MiB")
+        yield {"extra": {**extra, "lookup_timeout_s": 30.0}, "stop": None}
 
 
 @pytest.mark.parametrize("pool", ["shared_pool", "mooncake_pool"])
@@ -122,7 +135,7 @@ def test_decode_hits_every_chunk_the_moment_prefill_answered(
     reference: dict[str, list[list[int]]],
     tmp_path: Path,
 ) -> None:
-    extra = request.getfixturevalue(pool)
+    extra = request.getfixturevalue(pool)["extra"]
     producer = _start(
         vllm_python,
         tiny_model,
@@ -142,22 +155,43 @@ def test_decode_hits_every_chunk_the_moment_prefill_answered(
         keep_log(proxy.log)
         with _running(proxy):
             answers = _answers(proxy.url, PROMPTS)
-        decoded, prefilled = consumer.metrics(), producer.metrics()
+            decoded, prefilled = consumer.metrics(), producer.metrics()
+            check_pairing(extra, answers, reference, decoded, prefilled)
+            check_direct(extra, consumer, reference)
+            stop = request.getfixturevalue(pool)["stop"]
+            if stop is not None:
+                stop()
+                hits = consumer.metrics()["vllm:external_prefix_cache_hits_total"]
+                assert _answers(proxy.url, [DOWN]) == reference["down"]
+                assert consumer.metrics()["vllm:external_prefix_cache_hits_total"] == hits
 
-        assert answers == reference["prompts"]
-        prompt_tokens = sum(len(p) for p in PROMPTS)
-        assert decoded["vllm:prompt_tokens_total"] == prompt_tokens
-        assert decoded["vllm:external_prefix_cache_hits_total"] == sum(map(_chunked, PROMPTS))
-        assert decoded["vllm:kvflow_load_failed_tokens_total"] == 0
-        assert decoded["vllm:kvflow_saved_tokens_total"] == 0
-        assert decoded["vllm:kvflow_role_unsaved_tokens_total"] == 0  # it computed no chunk
-        assert prefilled["vllm:kvflow_saved_tokens_total"] == sum(map(_stored, PROMPTS))
-        objects = pool_stats(extra["shared"]["socket"])["objects"] if "shared" in extra else None
 
-        # asked directly, the consumer computes the prompt and stores none of it
-        assert _answers(consumer.url, [DIRECT]) == reference["direct"]
-        after = consumer.metrics()
-        assert after["vllm:kvflow_saved_tokens_total"] == 0
-        assert after["vllm:kvflow_role_unsaved_tokens_total"] == _stored(DIRECT)
-        if objects is not None:
-            assert pool_stats(extra["shared"]["socket"])["objects"] == objects
+def check_pairing(
+    extra: dict[str, Any],
+    answers: list[list[int]],
+    reference: dict[str, list[list[int]]],
+    decoded: dict[str, float],
+    prefilled: dict[str, float],
+) -> None:
+
+    assert answers == reference["prompts"]
+    prompt_tokens = sum(len(p) for p in PROMPTS)
+    assert decoded["vllm:prompt_tokens_total"] == prompt_tokens
+    assert decoded["vllm:external_prefix_cache_hits_total"] == sum(map(_chunked, PROMPTS))
+    assert decoded["vllm:kvflow_load_failed_tokens_total"] == 0
+    assert decoded["vllm:kvflow_saved_tokens_total"] == 0
+    assert decoded["vllm:kvflow_role_unsaved_tokens_total"] == 0  # it computed no chunk
+    assert prefilled["vllm:kvflow_saved_tokens_total"] == sum(map(_stored, PROMPTS))
+
+
+def check_direct(
+    extra: dict[str, Any], consumer: Server, reference: dict[str, list[list[int]]]
+) -> None:
+    """Asked directly, the consumer computes the prompt and stores none of it."""
+    objects = pool_stats(extra["shared"]["socket"])["objects"] if "shared" in extra else None
+    assert _answers(consumer.url, [DIRECT]) == reference["direct"]
+    after = consumer.metrics()
+    assert after["vllm:kvflow_saved_tokens_total"] == 0
+    assert after["vllm:kvflow_role_unsaved_tokens_total"] == _stored(DIRECT)
+    if objects is not None:
+        assert pool_stats(extra["shared"]["socket"])["objects"] == objects
