@@ -26,7 +26,10 @@ another step differ from a one-pass prefill's on some prompts, whatever the conn
 Each request is sent as ``examples/pd_proxy.py`` sends it, with this process as the proxy (so
 each leg is timed): the prompt to the producer with ``max_tokens`` 1, and the moment it
 answered (no sleep) the whole request to the consumer, streamed. ``--concurrency`` requests at
-once. Per row: the producer's time to answer (``prefill_ms``), the consumer's time to first
+once. Before those, per row, the producer alone answers other new prompts with one token
+(``prefill_alone``: its time against the instance without a connector's on the same prompts,
+the cost of saving, commit included, with no decode instance busy beside it). Per row: the
+producer's time to answer within the P/D requests (``prefill_ms``), the consumer's time to first
 token (``decode_ttft``, mean/p50/p99 over every repeat's requests), the proxy's (both legs:
 what a client of the proxy sees), the consumer's external hit tokens against its prompt tokens
 (vLLM's ``/metrics``), the tokens the consumer saved (kvflow's counter), and the requests whose
@@ -42,6 +45,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -124,7 +128,11 @@ def start(
                     master = stack.enter_context(MooncakeMaster()).address
                     segment = POOL.replace("iB", "B")  # Mooncake reads "1GB"
                     env.update(mooncake_store_connector_env(work / f"{row}.json", master, segment))
-                transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": role}
+                transfer = {
+                    "kv_connector": "MooncakeStoreConnector",
+                    "kv_role": role,
+                    "kv_load_failure_policy": "recompute",  # as kvflow's rows
+                }
             launch(row, role, transfer, {k: v for k, v in env.items() if k != "master"})
     for row, group in servers.items():
         for server in group.values():
@@ -174,14 +182,32 @@ def pd_request(
     }
 
 
+def prefill_only(server: Server, batch: list[list[int]], concurrency: int) -> list[float]:
+    """Each prompt's time to answer with one token, ``concurrency`` at a time, on ``server``
+    alone (no decode instance busy beside it)."""
+
+    def one(prompt: list[int]) -> float:
+        begun = time.perf_counter()
+        stream_completion(server.url, prompt, max_tokens=1, timeout=REQUEST_TIMEOUT_S)
+        return time.perf_counter() - begun
+
+    with ThreadPoolExecutor(concurrency) as threads:
+        return list(threads.map(one, batch))
+
+
 def run_row(
     row: str,
     group: dict[str, Server],
     batch: list[list[int]],
+    fresh: list[list[int]],
     spec: dict[str, int],
     concurrency: int,
 ) -> dict[str, Any]:
+    """The row's P/D requests on ``batch``; before them, the producer alone (``single``: the
+    instance without a connector) on the ``fresh`` prompts."""
     output = spec["output_len"]
+    first = group["single"] if row == "single" else group["kv_producer"]
+    alone = prefill_only(first, fresh, concurrency)
     if row == "single":
         server = group["single"]
 
@@ -192,13 +218,14 @@ def run_row(
             return {"ttft_s": out["ttft_s"], "tokens": out["tokens"]}
 
         with ThreadPoolExecutor(concurrency) as threads:
-            return {"requests": list(threads.map(one, batch))}
+            return {"requests": list(threads.map(one, batch)), "prefill_alone_s": alone}
     producer, consumer = group["kv_producer"], group["kv_consumer"]
     before = counters(consumer)
     with ThreadPoolExecutor(concurrency) as threads:
         requests = list(threads.map(lambda p: pd_request(producer, consumer, p, output), batch))
     after = counters(consumer)
-    return {"requests": requests, "consumer": {k: after[k] - before[k] for k in after}}
+    consumer_counts = {k: after[k] - before[k] for k in after}
+    return {"requests": requests, "consumer": consumer_counts, "prefill_alone_s": alone}
 
 
 def stats_ms(values: list[float]) -> dict[str, float]:
@@ -217,7 +244,10 @@ def answered(sample: dict[str, Any], key: str) -> list[float]:
 def summarize(samples: dict[str, list[dict[str, Any]]], rows: list[str]) -> dict[str, Any]:
     single = samples["single"]
     out: dict[str, Any] = {
-        "single": {"ttft_ms": stats_ms([r["ttft_s"] for s in single for r in s["requests"]])}
+        "single": {
+            "ttft_ms": stats_ms([r["ttft_s"] for s in single for r in s["requests"]]),
+            "prefill_alone_ms": stats_ms([t for s in single for t in s["prefill_alone_s"]]),
+        }
     }
     for row in rows:
         runs = samples[row]
@@ -238,6 +268,12 @@ def summarize(samples: dict[str, list[dict[str, Any]]], rows: list[str]) -> dict
             "decode_ttft_ms": stats_ms([r["decode_ttft_s"] for r in reqs]),
             "proxy_ttft_ms": stats_ms([r["proxy_ttft_s"] for r in reqs]),
             "prefill_ms": stats_ms([r["prefill_s"] for r in reqs]),
+            "prefill_alone_ms": stats_ms([t for s in runs for t in s["prefill_alone_s"]]),
+            # the producer alone against the instance without a connector, per repeat (median)
+            "prefill_alone_vs_single": statistics.median(
+                float(np.mean(s["prefill_alone_s"]) / np.mean(ref["prefill_alone_s"]))
+                for s, ref in zip(runs, single, strict=True)
+            ),
             "hit_share": consumer["hit_tokens"] / consumer["prompt_tokens"],
             "consumer_saved_tokens": consumer["saved_tokens"],
             "differing_requests": differ,
@@ -261,8 +297,14 @@ def summarize(samples: dict[str, list[dict[str, Any]]], rows: list[str]) -> dict
 
 def print_table(summary: dict[str, Any], rows: list[str]) -> None:
     s = summary["single"]["ttft_ms"]
+    alone = summary["single"]["prefill_alone_ms"]["mean"]
     print(f"single instance, no connector: TTFT mean {s['mean']:.0f} p50 {s['p50']:.0f} "
-          f"p99 {s['p99']:.0f} ms")  # fmt: skip
+          f"p99 {s['p99']:.0f} ms; one-token answers alone: mean {alone:.0f} ms")  # fmt: skip
+    for row in rows:
+        if "prefill_alone_ms" in summary[row]:
+            r = summary[row]
+            mean, ratio = r["prefill_alone_ms"]["mean"], r["prefill_alone_vs_single"]
+            print(f"  {row} producer alone: mean {mean:.0f} ms, {ratio:.3f}x no connector")
     head = "row                       decode TTFT mean/p50/p99   proxy TTFT mean/p99  prefill mean  hits   saved  differ  vs peer (decode mean/p99)"  # noqa: E501
     print(head)
     for row in rows:
@@ -289,6 +331,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--json", default=str(OUT / "vllm_pd.json"))
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C: the servers, pools and masters started are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     rows = args.rows.split(",")
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
@@ -309,9 +353,10 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         servers = start(rows, model, args.concurrency, work, stack)
         for i in range(repeats):
-            batch = prompts(spec, seed=1000 + i)
+            batch, fresh = prompts(spec, seed=1000 + i), prompts(spec, seed=5000 + i)
             for row in order(["single", *rows], i):
-                samples[row].append(run_row(row, servers[row], batch, spec, args.concurrency))
+                sample = run_row(row, servers[row], batch, fresh, spec, args.concurrency)
+                samples[row].append(sample)
                 print(f"repeat {i}: {row} done", file=sys.stderr)
     summary = summarize(samples, rows)
     document = {
