@@ -31,6 +31,7 @@ def test_kvflow_serve_traces_the_requests_it_serves(
     finally:
         store.close()
     server.stop()  # SIGTERM: the server exits, and its trace is complete JSON
+    assert server.proc.returncode == 0, server.log()  # its own exit, not the SIGKILL after
     (written,) = tmp_path.iterdir()
     assert written.name == f"kv.pool-{server.pid}.json"
     events = json.loads(written.read_text())

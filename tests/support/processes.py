@@ -39,8 +39,10 @@ def _tail(path: str, n: int = 2000) -> str:
         return "(no log)"
 
 
-def _end(proc: subprocess.Popen[bytes], term_timeout: float = 10.0) -> None:
-    """Stop a child we started: SIGTERM, then SIGKILL; always reaped."""
+def _end(proc: subprocess.Popen[bytes], term_timeout: float = 60.0) -> None:
+    """Stop a child we started: SIGTERM, then SIGKILL once it had ``term_timeout`` s to exit
+    (far above a clean exit on a loaded machine: a test may check what the exit leaves);
+    always reaped."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
