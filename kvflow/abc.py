@@ -7,8 +7,12 @@ A store subclasses ``Store``; its contract (two metadata calls per request batch
 copies per layer, what is visible when, thread safety) is in ``kvflow.stores.base``'s docstring
 and each method's. ``open_write`` hands out a ``WriteSession`` (per-key ``WriteStatus`` and base
 addresses), ``open_read`` a ``ReadSession``; ``batch_copy`` moves bytes in a ``Direction``.
-Optional abilities are protocols the engine checks with ``isinstance``: ``SupportsUsage``
-(``usage() -> StoreUsage``) and ``SupportsPrefixContext`` (eviction ordered by prefix).
+Optional abilities are ``Store`` methods with defaults: the ``*_with_context`` calls (eviction
+ordered by prefix; by default the plain calls) and ``usage()`` (occupancy and counters; by
+default None). A store that forwards to another (to count, to inject faults, to share it)
+subclasses ``StoreWrapper``, which forwards every call, abilities included, and overrides only
+what it changes. ``SupportsUsage`` and ``SupportsPrefixContext``, the protocols of earlier
+releases, still import, with a DeprecationWarning.
 
 A device subclasses ``DeviceOps`` (readiness tokens: when a layer's bytes may move, and how the
 caller's compute is ordered after a load), or ``StreamDevice`` for an accelerator that torch's
@@ -23,11 +27,11 @@ from kvflow.stores.base import (
     ReadSession,
     Store,
     StoreUsage,
-    SupportsPrefixContext,
-    SupportsUsage,
     WriteSession,
     WriteStatus,
+    deprecated_name,
 )
+from kvflow.stores.wrapper import StoreWrapper
 
 __all__ = [
     "DeviceOps",
@@ -35,9 +39,12 @@ __all__ = [
     "ReadSession",
     "Store",
     "StoreUsage",
+    "StoreWrapper",
     "StreamDevice",
-    "SupportsPrefixContext",
-    "SupportsUsage",
     "WriteSession",
     "WriteStatus",
 ]
+
+
+def __getattr__(name: str) -> type:
+    return deprecated_name(__name__, name)

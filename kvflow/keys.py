@@ -62,7 +62,7 @@ class ChunkHashes:
     ``preceding``: the hashes of the prompt's chunks before ``hashes`` (chunks 0 to k-1 when
     ``hashes`` starts at chunk k), for a request that moves only the later chunks of a prompt
     (its new chunks, or those after what the caller's own cache holds). They are not moved and
-    need no block ids: a pool that orders eviction by prefix (``SupportsPrefixContext``) only
+    need no block ids: a pool that orders eviction by prefix (the prefix context of a Store) only
     touches them after the moved chunks, so that it evicts the prompt's tail before its head."""
 
     hashes: tuple[bytes, ...]

@@ -1,9 +1,10 @@
 """Tools for testing and measuring kvflow: stores that count and time what the engine asks of them.
 
-``InstrumentedStore(inner)`` is a ``Store`` that forwards every call to ``inner`` and counts it
-(``calls``, ``keys``, ``metadata_calls``: the ``METADATA_CALLS`` among them), and with
-``record_copies`` keeps one ``CopyRecord`` per ``batch_copy``. Subclass it to inject faults:
-override one call, do the damage, and forward the rest.
+``InstrumentedStore(inner)`` is a ``StoreWrapper``: it forwards every call to ``inner`` and
+counts it (``calls``, ``keys``, ``metadata_calls``: the ``METADATA_CALLS`` among them; a call
+with prefix context counts as its plain call), and with ``record_copies`` keeps one
+``CopyRecord`` per ``batch_copy``. Subclass it to inject faults: override one call (and its
+context form where the engine may make it), do the damage, and forward the rest.
 """
 
 from __future__ import annotations
@@ -15,15 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvflow.errors import StoreError
-from kvflow.stores.base import (
-    Direction,
-    ReadSession,
-    Store,
-    StoreUsage,
-    SupportsUsage,
-    WriteSession,
-)
+from kvflow.stores.base import Direction, ReadSession, Store, WriteSession
+from kvflow.stores.wrapper import StoreWrapper
 
 __all__ = ["METADATA_CALLS", "CopyRecord", "InstrumentedStore"]
 
@@ -41,15 +35,13 @@ class CopyRecord:
     nbytes: int
 
 
-class InstrumentedStore(Store):
+class InstrumentedStore(StoreWrapper):
     """Forwards every call to ``inner`` and counts it: ``calls[name]``, ``keys[name]`` (keys
     carried), and with ``record_copies`` one CopyRecord per ``batch_copy``. Thread-safe; the
     counting costs a lock per call and nothing per range."""
 
     def __init__(self, inner: Store, *, record_copies: bool = False) -> None:
-        self.inner = inner
-        self.inline_metadata = inner.inline_metadata
-        self.device_memory = inner.device_memory
+        super().__init__(inner)
         self.record_copies = record_copies
         self.calls: dict[str, int] = {}
         self.keys: dict[str, int] = {}
@@ -80,9 +72,19 @@ class InstrumentedStore(Store):
         self._count("lookup", len(keys))
         return self.inner.lookup(keys)
 
+    def lookup_with_context(self, keys: Sequence[str], context: Sequence[str]) -> np.ndarray:
+        self._count("lookup", len(keys))
+        return self.inner.lookup_with_context(keys, context)
+
     def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession:
         self._count("open_write", len(keys))
         return self.inner.open_write(keys, nbytes)
+
+    def open_write_with_context(
+        self, keys: Sequence[str], nbytes: int, context: Sequence[str]
+    ) -> WriteSession:
+        self._count("open_write", len(keys))
+        return self.inner.open_write_with_context(keys, nbytes, context)
 
     def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
         self._count("finish_write", len(session.keys))
@@ -91,6 +93,10 @@ class InstrumentedStore(Store):
     def open_read(self, keys: Sequence[str]) -> ReadSession:
         self._count("open_read", len(keys))
         return self.inner.open_read(keys)
+
+    def open_read_with_context(self, keys: Sequence[str], context: Sequence[str]) -> ReadSession:
+        self._count("open_read", len(keys))
+        return self.inner.open_read_with_context(keys, context)
 
     def close_read(self, session: ReadSession) -> None:
         self._count("close_read", len(session.keys))
@@ -113,14 +119,6 @@ class InstrumentedStore(Store):
             with self._lock:
                 self.copies.append(record)
         return failed
-
-    def usage(self) -> StoreUsage:
-        if not isinstance(self.inner, SupportsUsage):
-            raise StoreError(f"{type(self.inner).__name__} does not report usage")
-        return self.inner.usage()
-
-    def close(self) -> None:
-        self.inner.close()
 
     def __repr__(self) -> str:
         return f"InstrumentedStore({self.inner!r}, calls={self.calls})"

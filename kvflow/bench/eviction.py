@@ -11,8 +11,8 @@ a served prompt a load of the hit (``open_read``/``close_read``) and a save (``o
   long prompt's new chunks step by step (chunked prefill) before it named the chunks before
   them;
 * ``new_context``: the same calls, each naming the prompt's chunks before its own as context
-  (``SupportsPrefixContext``), as the vLLM connector does now. The model of the old policy has
-  no context: its row is the ``new`` one's.
+  (the prefix context of ``kvflow.stores.base``), as the vLLM connector does now. The model of
+  the old policy has no context: its row is the ``new`` one's.
 
 Figures: ``reachable``, the share of the pool's used bytes that a lookup from a prompt's start
 reaches (a chunk after a missing one never is), and ``hit_rate``, the chunks that lookups found
@@ -42,7 +42,6 @@ from kvflow.stores.arena import SLOT_ALIGN
 from kvflow.stores.base import (
     ReadSession,
     StoreUsage,
-    SupportsPrefixContext,
     WriteSession,
     WriteStatus,
 )
@@ -82,6 +81,9 @@ class Pool(Protocol):
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray: ...
     def open_write(self, keys: Sequence[str], nbytes: int) -> WriteSession: ...
+    def open_write_with_context(
+        self, keys: Sequence[str], nbytes: int, context: Sequence[str]
+    ) -> WriteSession: ...
     def finish_write(self, session: WriteSession, ok: np.ndarray) -> None: ...
     def open_read(self, keys: Sequence[str]) -> ReadSession: ...
     def close_read(self, session: ReadSession) -> None: ...
@@ -314,6 +316,11 @@ class PlainLru:
         self._pending[self._handles] = granted
         return WriteSession(self._handles, tuple(keys), np.zeros(len(keys), np.int64), status)
 
+    def open_write_with_context(
+        self, keys: Sequence[str], nbytes: int, context: Sequence[str]
+    ) -> WriteSession:
+        return self.open_write(keys, nbytes)  # the old policy knew no context
+
     def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
         for key in self._pending.pop(session.handle):  # all committed: the replay writes all
             self._lru[key] = None
@@ -330,7 +337,7 @@ def _leading(found: np.ndarray) -> int:
 
 def _save(pool: Pool, keys: Sequence[str], context: Sequence[str] = ()) -> None:
     """One save call; ``context`` goes to pools that take it (the model has none)."""
-    if context and isinstance(pool, SupportsPrefixContext):
+    if context:
         session = pool.open_write_with_context(keys, OBJECT_BYTES, context)
     else:
         session = pool.open_write(keys, OBJECT_BYTES)

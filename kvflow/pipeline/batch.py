@@ -38,7 +38,7 @@ class BatchPlan:
     load's ``SKIP_BLOCK`` places are not written); ``chunks_per_request[r]`` says how many
     chunks request r contributed. ``context``: the keys of the chunks before the moved ones
     (``ChunkHashes.preceding``), request by request, for a store that orders eviction by prefix
-    (``SupportsPrefixContext``); never moved.
+    (the prefix context of ``kvflow.stores.base``); never moved.
     """
 
     keys: tuple[str, ...]

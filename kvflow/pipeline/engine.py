@@ -35,7 +35,6 @@ from kvflow.stats import EngineStats
 from kvflow.stores.base import (
     ReadSession,
     Store,
-    SupportsPrefixContext,
     WriteSession,
     WriteStatus,
 )
@@ -141,7 +140,7 @@ class TransferEngine:
         if plan.num_chunks:
             try:
                 store = self.store
-                if plan.context and isinstance(store, SupportsPrefixContext):
+                if plan.context:  # the chunks before: the store orders eviction by them
                     session = await self._runtime.meta(
                         store.open_read_with_context,
                         plan.keys,
@@ -185,7 +184,7 @@ class TransferEngine:
         if plan.num_chunks:
             try:
                 store = self.store
-                if plan.context and isinstance(store, SupportsPrefixContext):
+                if plan.context:
                     session = await self._runtime.meta(
                         store.open_write_with_context,
                         plan.keys,

@@ -5,14 +5,14 @@ from kvflow.stores.base import (
     ReadSession,
     Store,
     StoreUsage,
-    SupportsPrefixContext,
-    SupportsUsage,
     WriteSession,
     WriteStatus,
+    deprecated_name,
 )
 from kvflow.stores.local import LocalStore
 from kvflow.stores.memcache import MemcacheConfig, MemcacheStats, MemcacheStore
 from kvflow.stores.mooncake import MooncakeConfig, MooncakeMaster, MooncakeStats, MooncakeStore
+from kvflow.stores.wrapper import StoreWrapper
 
 __all__ = [
     "Direction",
@@ -27,8 +27,11 @@ __all__ = [
     "ReadSession",
     "Store",
     "StoreUsage",
-    "SupportsPrefixContext",
-    "SupportsUsage",
+    "StoreWrapper",
     "WriteSession",
     "WriteStatus",
 ]
+
+
+def __getattr__(name: str) -> type:
+    return deprecated_name(__name__, name)

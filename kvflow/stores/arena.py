@@ -24,10 +24,11 @@ tail before its head instead of leaving a tail that no lookup reaches. The touch
 
 A caller that moves only a prefix's later chunks (a save of just the new chunks, a load after
 the chunks an inference server's own cache holds) names the chunks before them as ``context``
-(``SupportsPrefixContext``): keys never granted, written or leased, touched (where committed and
-unleased) after the call's own keys, last to first, when ``lookup``, ``open_write`` and
-``open_read`` run and again at ``finish_write`` and ``close_read``. The head then ends up newer
-than the tail it leads to, and ``open_write`` spares the context as it spares its own keys.
+(the prefix context of ``kvflow.stores.base``): keys never granted, written or leased, touched
+(where committed and unleased) after the call's own keys, last to first, when ``lookup``,
+``open_write`` and ``open_read`` run and again at ``finish_write`` and ``close_read``. The head
+then ends up newer than the tail it leads to, and ``open_write`` spares the context as it spares
+its own keys.
 Without context such a call orders its own keys among themselves only; the chunks it does not
 name keep their place.
 """

@@ -23,14 +23,40 @@ Contract, for every store:
 * Metadata calls are thread-safe; ``batch_copy`` may run on several threads at once.
 * Calls may block (locks, sockets): async callers run them off the event loop.
 
-Optional abilities are small protocols checked with ``isinstance``: ``SupportsUsage`` (occupancy
-and counters) and ``SupportsPrefixContext`` (calls that also name the chunks before their keys,
-so that eviction takes a prefix's tail before its head).
+Optional abilities are methods with a default in ``Store``, so that every store, and every store
+that forwards to another (``StoreWrapper``), answers them:
+
+* ``lookup_with_context``, ``open_write_with_context``, ``open_read_with_context``: the calls
+  that also name the chunks before their keys (the *prefix context*, below). By default each is
+  its plain call; a store that orders eviction by prefix overrides them.
+* ``usage()``: occupancy and counters, or None (the default) for a store that keeps none.
+
+(They were once protocols checked with ``isinstance``; a forwarding store cannot know statically
+what the store it wraps can do, and a check on the wrapper silently dropped the context.)
+
+Prefix context. Chunk keys are prefix-chained: a chunk is of use only while every chunk before it
+is stored. A caller that moves only part of a prompt (a save of its new chunks, a load after the
+chunks an inference server's own cache holds) names the chunks before them as ``context``: the
+keys of those chunks, in prefix order (for a batch, each request's in turn). Context keys are
+never granted, written, leased or counted as hits or misses, and cost no copy; a store that
+evicts a prefix's tail before its head only touches the ones it holds (committed and unleased;
+others are left alone) for its eviction order, after the call's own keys and last to first, so
+that a prompt's head ends up more recently used than its tail:
+
+* ``lookup_with_context``: when it looks up;
+* ``open_write_with_context``: when it opens (an allocation then never evicts a context key for
+  the call's own) and again when ``finish_write`` commits;
+* ``open_read_with_context``: when it opens and again when ``close_read`` releases.
+
+Otherwise each call is its plain counterpart, with the same results and contract. Stores that
+evict by a policy of their own (Mooncake, memcache) keep the defaults. Callers with no context
+make the plain calls.
 """
 
 from __future__ import annotations
 
 import enum
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +68,6 @@ __all__ = [
     "Direction",
     "ReadSession",
     "Store",
-    "SupportsPrefixContext",
-    "SupportsUsage",
     "StoreUsage",
     "WriteSession",
     "WriteStatus",
@@ -168,40 +192,39 @@ class Store(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the store's resources. Sessions still open are aborted or released."""
 
+    # -- optional abilities: defaults every store answers (module docstring) -------------------
+
+    def lookup_with_context(self, keys: Sequence[str], context: Sequence[str]) -> np.ndarray:
+        """``lookup``, with ``context`` the chunks before ``keys`` (prefix context)."""
+        return self.lookup(keys)
+
+    def open_write_with_context(
+        self, keys: Sequence[str], nbytes: int, context: Sequence[str]
+    ) -> WriteSession:
+        """``open_write``, with ``context`` the chunks before ``keys`` (prefix context)."""
+        return self.open_write(keys, nbytes)
+
+    def open_read_with_context(self, keys: Sequence[str], context: Sequence[str]) -> ReadSession:
+        """``open_read``, with ``context`` the chunks before ``keys`` (prefix context)."""
+        return self.open_read(keys)
+
+    def usage(self) -> StoreUsage | None:
+        """The pool's occupancy and counters, or None (this default) for a store that keeps
+        none. May be a round trip (SharedStore asks its server) and then raises
+        StoreUnavailableError when the pool cannot be reached."""
+        return None
+
+
+# -- the ability protocols of earlier releases, kept one release ---------------------------------
+
 
 @runtime_checkable
-class SupportsUsage(Protocol):
-    """A store that can report its occupancy (used by stats and leak checks). ``usage()`` may
-    be a round trip (SharedStore asks its server) and then raises StoreUnavailableError when
-    the pool cannot be reached."""
-
-    def usage(self) -> StoreUsage: ...
+class _SupportsUsage(Protocol):
+    def usage(self) -> StoreUsage | None: ...
 
 
 @runtime_checkable
-class SupportsPrefixContext(Protocol):
-    """A store that evicts a prefix's tail before its head, and that a call can tell which
-    chunks come before the ones it names.
-
-    Chunk keys are prefix-chained: a chunk is of use only while every chunk before it is stored.
-    A caller that moves only part of a prompt (a save of its new chunks, a load after the chunks
-    an inference server's own cache holds) names the chunks before them as ``context``: the
-    keys of those chunks, in prefix order (for a batch, each request's in turn). Context keys
-    are never granted, written, leased or counted as hits or misses, and cost no copy; the
-    store only touches the ones it holds (committed and unleased; others are left alone) for
-    its eviction order, after the call's own keys and last to first, so that a prompt's head
-    ends up more recently used than its tail:
-
-    * ``lookup_with_context``: when it looks up;
-    * ``open_write_with_context``: when it opens (an allocation then never evicts a context key
-      for the call's own) and again when ``finish_write`` commits;
-    * ``open_read_with_context``: when it opens and again when ``close_read`` releases.
-
-    Otherwise each call is its plain counterpart, with the same results and contract. Stores
-    that evict by a policy of their own (Mooncake, memcache) do not implement it; callers then
-    make the plain calls and name no context.
-    """
-
+class _SupportsPrefixContext(Protocol):
     def lookup_with_context(self, keys: Sequence[str], context: Sequence[str]) -> np.ndarray: ...
 
     def open_write_with_context(
@@ -211,3 +234,27 @@ class SupportsPrefixContext(Protocol):
     def open_read_with_context(
         self, keys: Sequence[str], context: Sequence[str]
     ) -> ReadSession: ...
+
+
+_DEPRECATED: dict[str, type] = {
+    "SupportsUsage": _SupportsUsage,
+    "SupportsPrefixContext": _SupportsPrefixContext,
+}
+
+
+def deprecated_name(module: str, name: str) -> type:
+    """``module.name`` for a name of an earlier release, with a DeprecationWarning saying what
+    replaced it; AttributeError for any other name (a module's ``__getattr__``)."""
+    if name not in _DEPRECATED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{module}.{name} is deprecated: every Store answers the ability's calls now (their "
+        "defaults are in kvflow.abc.Store), so an isinstance check is always true; call them",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return _DEPRECATED[name]
+
+
+def __getattr__(name: str) -> type:
+    return deprecated_name(__name__, name)

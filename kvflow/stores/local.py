@@ -48,8 +48,8 @@ class LocalStore(Store):
     ``False`` never. Pinning maps every page at construction, like ``prefault``.
 
     Two-phase writes, read leases and LRU eviction of committed, unleased objects, a prefix's
-    tail before its head (see ``kvflow.stores.base`` for the contract and
-    ``SupportsPrefixContext``, ``kvflow.stores.arena`` for the order). A save that finds no room
+    tail before its head (see ``kvflow.stores.base`` for the contract and the prefix context,
+    ``kvflow.stores.arena`` for the order). A save that finds no room
     is skipped and counted.
 
     Concurrency: every method is thread-safe. Metadata calls take one lock for a few

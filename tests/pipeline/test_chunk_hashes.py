@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvflow
-from kvflow.abc import SupportsPrefixContext
+from kvflow.abc import Store
 from kvflow.keys import KeySpace, chunk_hashes
 from kvflow.stores.arena import slot_bytes
 from kvflow.testing import InstrumentedStore
@@ -91,13 +91,21 @@ async def test_a_save_of_new_chunks_naming_the_preceding_ones_keeps_the_head(nam
         dispose(store)
 
 
+class _OwnPolicy(InstrumentedStore):
+    """A counted LocalStore that, as a store evicting by its own policy (Mooncake, memcache),
+    keeps ``Store``'s defaults for the context calls: the plain calls."""
+
+    lookup_with_context = Store.lookup_with_context
+    open_write_with_context = Store.open_write_with_context
+    open_read_with_context = Store.open_read_with_context
+
+
 async def test_a_store_without_context_gets_the_moved_chunks_only() -> None:
-    """A store that evicts by its own policy (no ``SupportsPrefixContext``; here a counted
-    LocalStore) is called as before: the preceding chunks are neither sent nor moved."""
+    """A store that evicts by its own policy is called with the moved chunks alone: the
+    preceding chunks are neither sent nor moved."""
     caches = make_caches(num_layers=2, num_blocks=16, seed=6)
     layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = InstrumentedStore(kvflow.LocalStore("4MiB"))
-    assert not isinstance(store, SupportsPrefixContext)
+    store = _OwnPolicy(kvflow.LocalStore("4MiB"))
     tokens = np.random.default_rng(2).integers(0, 1000, 3 * CHUNK * BS)
     h = chunk_hashes(tokens, CHUNK * BS)
     try:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.abc import Store, SupportsPrefixContext, WriteStatus
+from kvflow.abc import Store, WriteStatus
 from kvflow.keys import KeySpace, chunk_hashes
 from kvflow.stores.arena import slot_bytes
 from tests.support.caches import make_caches
@@ -100,7 +100,6 @@ def test_a_leased_head_outlives_its_tail(small_store: Store) -> None:
 def save_after(store: Store, context: list[str], *keys: str) -> list[int]:
     """Write and commit ``keys`` in one call naming ``context`` as the chunks before them (the
     bytes are not copied: the order is what these tests watch)."""
-    assert isinstance(store, SupportsPrefixContext)
     session = store.open_write_with_context(keys, OBJ_BYTES, context)
     store.finish_write(session, np.ones(len(keys), dtype=bool))
     status: list[int] = session.status.tolist()
@@ -122,7 +121,6 @@ def test_saving_only_new_chunks_with_context_leaves_the_head_the_most_recent(
 def test_a_write_touches_its_context_again_at_the_commit(small_store: Store) -> None:
     """A head used by another call between open_write and finish_write still ends up newer
     than the tail the commit adds."""
-    assert isinstance(small_store, SupportsPrefixContext)
     assert save(small_store, "a0", "a1") == [GRANTED, GRANTED]
     session = small_store.open_write_with_context(["a2"], OBJ_BYTES, ["a0", "a1"])
     assert save(small_store, "z") == [GRANTED]  # newer than a0 and a1 now
@@ -142,7 +140,6 @@ def test_context_keys_absent_from_the_pool_are_ignored(small_store: Store) -> No
     assert save_after(small_store, ["gone0", "gone1"], "a2") == [GRANTED]
     u = usage(small_store)
     assert (u.objects, u.pending_writes, u.used) == (1, 0, OBJ_BYTES)
-    assert isinstance(small_store, SupportsPrefixContext)
     found = small_store.lookup_with_context(["a2"], ["gone0", "gone1"])
     assert found.tolist() == [True]
     assert small_store.lookup(["gone0", "gone1"]).tolist() == [False, False]
@@ -152,7 +149,6 @@ def test_context_keys_absent_from_the_pool_are_ignored(small_store: Store) -> No
 
 @pytest.mark.arena("watches leases and pending writes")
 def test_a_leased_or_pending_key_named_as_context_is_left_alone(small_store: Store) -> None:
-    assert isinstance(small_store, SupportsPrefixContext)
     save(small_store, "a0", "a1")
     held = small_store.open_read(["a0"])
     pending = small_store.open_write(["p"], OBJ_BYTES)
@@ -175,7 +171,6 @@ def test_a_leased_or_pending_key_named_as_context_is_left_alone(small_store: Sto
 def test_a_lookup_after_a_skipped_head_touches_it_last(small_store: Store) -> None:
     """An inference server's own cache holds a prompt's head: it looks up only the rest,
     naming the head as context, and the head ends up the most recent."""
-    assert isinstance(small_store, SupportsPrefixContext)
     keys = ["a0", "a1", "a2", "a3"]
     save(small_store, *keys)
     small_store.lookup(["a2", "a3"])  # the tail newer than the head
@@ -185,7 +180,6 @@ def test_a_lookup_after_a_skipped_head_touches_it_last(small_store: Store) -> No
 
 @pytest.mark.arena("watches the eviction order")
 def test_a_load_after_a_skipped_head_touches_it_last(small_store: Store) -> None:
-    assert isinstance(small_store, SupportsPrefixContext)
     keys = ["a0", "a1", "a2", "a3"]
     save(small_store, *keys)
     small_store.lookup(["a2", "a3"])

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import kvflow
-from kvflow.abc import Store, SupportsUsage
+from kvflow.abc import Store
 from kvflow.config import parse_size
 from kvflow.pool import PoolConfig, PoolServer
 from kvflow.stores.mooncake.master import MooncakeMaster, find_master_binary
@@ -199,8 +199,9 @@ def reported_usage(store: Store) -> dict[str, int]:
     """The StoreUsage fields a store reports: all of them where it supports usage(), else the
     session counts of its own ``stats()`` (MooncakeStore: occupancy is the master's)."""
     inner = getattr(store, "inner", store)
-    if isinstance(inner, SupportsUsage):
-        return dataclasses.asdict(inner.usage())
+    u = inner.usage()
+    if u is not None:
+        return dataclasses.asdict(u)
     stats = getattr(inner, "stats", None)
     assert stats is not None, f"{type(inner).__name__} reports neither usage() nor stats()"
     counts = stats()

@@ -45,7 +45,7 @@ block is not (a later lookup needs it only for hits ending within a window of it
 Lookups, loads and saves that start after a prompt's first chunk (after what vLLM's cache holds,
 or at the new chunks) name the chunks before them too (``preceding``): the pool touches those
 after the moved ones, so that it evicts a prompt's tail before its head
-(``kvflow.abc.SupportsPrefixContext``).
+(the prefix context of ``kvflow.abc.Store``).
 """
 
 from __future__ import annotations

@@ -19,17 +19,15 @@ import logging
 import os
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from kvflow.errors import KVFlowError
 from kvflow.pipeline.executor import call_pinned
 from kvflow.stores.base import Store
+from kvflow.stores.wrapper import StoreWrapper
 
 if TYPE_CHECKING:
     from kvflow.integrations.vllm.config import ConnectorConfig
-    from kvflow.stores.local import LocalStore
 
 __all__ = ["make_store", "open_pool"]
 
@@ -104,47 +102,12 @@ def _local_store(capacity: int) -> Store:
         return store
 
 
-class _SharedLocal(Store):
+class _SharedLocal(StoreWrapper):
     """One process's embedded pool, shared by its scheduler and worker connectors; closing it
     is a no-op (it lives as long as the process)."""
 
-    def __init__(self, inner: LocalStore) -> None:
-        self.inner = inner
-        self.inline_metadata = inner.inline_metadata
-        self.device_memory = inner.device_memory
-
-    def register(self, regions: Any) -> None:
-        self.inner.register(regions)
-
-    def unregister(self, regions: Any) -> None:
-        self.inner.unregister(regions)
-
-    def lookup(self, keys: Any) -> np.ndarray:
-        return self.inner.lookup(keys)
-
-    def lookup_with_context(self, keys: Any, context: Any) -> np.ndarray:
-        return self.inner.lookup_with_context(keys, context)
-
-    def open_write_with_context(self, keys: Any, nbytes: int, context: Any) -> Any:
-        return self.inner.open_write_with_context(keys, nbytes, context)
-
-    def open_read_with_context(self, keys: Any, context: Any) -> Any:
-        return self.inner.open_read_with_context(keys, context)
-
-    def open_write(self, keys: Any, nbytes: int) -> Any:
-        return self.inner.open_write(keys, nbytes)
-
-    def finish_write(self, session: Any, ok: np.ndarray) -> None:
-        self.inner.finish_write(session, ok)
-
-    def open_read(self, keys: Any) -> Any:
-        return self.inner.open_read(keys)
-
-    def close_read(self, session: Any) -> None:
-        self.inner.close_read(session)
-
-    def batch_copy(self, pool_addrs: Any, local_addrs: Any, sizes: Any, direction: Any) -> Any:
-        return self.inner.batch_copy(pool_addrs, local_addrs, sizes, direction)
+    def close(self) -> None:
+        pass
 
     def __repr__(self) -> str:
         return f"process-wide {self.inner!r}"

@@ -30,7 +30,6 @@ from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.integrations.vllm.metrics import KVFlowConnectorStats, StatsInterval
 from kvflow.integrations.vllm.planner import ChunkPlanner
 from kvflow.integrations.vllm.pools import open_pool
-from kvflow.stores.base import SupportsPrefixContext
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -100,7 +99,7 @@ class KVFlowConnectorScheduler:
         spaces = self._spaces[group]
         keys = [k for space in spaces for k in space.keys(hashes)]
         lookup = self._store.lookup
-        if preceding and isinstance(self._store, SupportsPrefixContext):
+        if preceding:
             context = [k for space in spaces for k in space.keys(preceding)]
             lookup = functools.partial(self._store.lookup_with_context, context=context)
         if group == 0:  # the tokens asked: every group asks for the same ones
