@@ -341,7 +341,7 @@ def main() -> int:
     if repeats < 1:
         parser.error(f"--repeats must be at least 1, got {repeats}")
     spec = QUICK if args.quick else FULL
-    from kvflow.integrations.vllm.random_model import build
+    from kvflow.testing.models import build
 
     name = f"kvflow-pd-llama-{spec['layers']}x{spec['hidden']}"
     model = str(

@@ -590,7 +590,7 @@ def main() -> int:
             f"unknown rows {unknown}; known: {', '.join(ROWS + ON_REQUEST)}, and kvflow_chunkN "
             f"for N a multiple of the block size {shape.block}"
         )
-    from kvflow.integrations.vllm.random_model import build
+    from kvflow.testing.models import build
 
     name = f"kvflow-serve-llama-{shape.layers}x{shape.hidden}"
     model = str(

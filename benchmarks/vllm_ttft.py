@@ -161,7 +161,7 @@ def main() -> int:
     unknown = sorted(set(wanted) - set(ROWS))
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
-    from kvflow.integrations.vllm.random_model import build
+    from kvflow.testing.models import build
 
     repeats = args.repeats or (4 if args.quick else 8)
     work = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))

@@ -58,7 +58,7 @@ def main() -> None:
     if args.instance:
         one_instance(args.instance, prompt)
         return
-    from kvflow.integrations.vllm.random_model import build
+    from kvflow.testing.models import build
 
     work = tempfile.mkdtemp(prefix="kvflow-example-", dir="/tmp")
     model = str(build(f"{work}/model", layers=8, hidden=512, heads=4, kv_heads=2))

@@ -124,9 +124,9 @@ def objects(pool_dir: str) -> int:
 
 
 def build_model(python: str, directory: Path, *args: str) -> str:
-    """A random model and its tokenizer in ``directory`` (``random_model``'s arguments)."""
+    """A random model and its tokenizer in ``directory`` (``kvflow.testing.models``' arguments)."""
     subprocess.run(
-        [python, "-m", "kvflow.integrations.vllm.random_model", str(directory), *args],
+        [python, "-m", "kvflow.testing.models", str(directory), *args],
         cwd=REPO, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S,
     )  # fmt: skip
     return str(directory)

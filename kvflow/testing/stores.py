@@ -1,4 +1,4 @@
-"""Tools for testing and measuring kvflow: stores that count and time what the engine asks of them.
+"""InstrumentedStore: any store with its calls counted and its copies timed (tests, benchmarks).
 
 ``InstrumentedStore(inner)`` is a ``StoreWrapper``: it forwards every call to ``inner`` and
 counts it (``calls``, ``keys``, ``metadata_calls``: the ``METADATA_CALLS`` among them; a call
