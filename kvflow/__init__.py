@@ -16,6 +16,8 @@ async with kvflow.TransferEngine(layout, store, kvflow.EngineConfig(model="m")) 
 Store implementers find their interface in ``kvflow.abc``; test tools are in ``kvflow.testing``.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from kvflow.config import EngineConfig, spare_cpus
 from kvflow.errors import (
     ClosedError,
@@ -40,8 +42,8 @@ from kvflow.pipeline import (
     TransferEngine,
 )
 from kvflow.pipeline.batch import BlockRequest
+from kvflow.pool.config import SharedStoreConfig
 from kvflow.pool.store import SharedStore
-from kvflow.pool.store_config import SharedStoreConfig
 from kvflow.results import ChunkStatus, RequestResult, TransferResult
 from kvflow.stats import EngineStats
 from kvflow.stores import (
@@ -53,7 +55,10 @@ from kvflow.stores import (
     MooncakeStore,
 )
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("kvflow")  # pyproject.toml's, as installed
+except PackageNotFoundError:  # the sources without an install (on sys.path by hand)
+    __version__ = "0+unknown"
 
 __all__ = [
     "BlockRequest",

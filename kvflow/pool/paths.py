@@ -15,7 +15,14 @@ from pathlib import Path
 
 from kvflow.errors import ConfigError
 
-__all__ = ["SOCKET_ENV", "default_socket", "ensure_private_directory", "sibling"]
+__all__ = [
+    "SOCKET_ENV",
+    "check_socket_path",
+    "default_socket",
+    "ensure_private_directory",
+    "sibling",
+    "socket_too_long",
+]
 
 SOCKET_ENV = "KVFLOW_POOL_SOCKET"
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
@@ -30,12 +37,21 @@ def default_socket() -> str:
     return str(base / f"kvflow-{os.getuid()}" / "pool.sock")
 
 
+def socket_too_long(path: str) -> str | None:
+    """Why ``path`` cannot name a Unix socket: longer than ``sun_path`` holds (None: it fits)."""
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        return f"is longer than {_MAX_SOCKET_PATH} bytes"
+    return None
+
+
 def check_socket_path(path: str) -> str:
+    """``path`` made absolute; ConfigError naming ``socket`` if it is empty or too long."""
     if not isinstance(path, str) or not path:
         raise ConfigError("socket", path, "must be a non-empty path")
     path = os.path.abspath(path)
-    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
-        raise ConfigError("socket", path, f"is longer than {_MAX_SOCKET_PATH} bytes")
+    reason = socket_too_long(path)
+    if reason:
+        raise ConfigError("socket", path, reason)
     return path
 
 

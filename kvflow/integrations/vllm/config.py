@@ -6,23 +6,22 @@ No vLLM import here: the config is validated (and tested) without vLLM.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 from kvflow.config import (
+    DEFAULT_COPY_THREADS,
     DEFAULT_COPY_TIMEOUT_S,
     DEFAULT_OP_TIMEOUT_S,
     DEFAULT_PREFETCH_LAYERS,
     DEFAULT_SAVE_BACKLOG,
     EngineConfig,
-    _positive_float,
-    from_dict,
-    parse_size,
     spare_cpus,
 )
-from kvflow.devices import device_kind
 from kvflow.errors import ConfigError
-from kvflow.pool.store_config import SharedStoreConfig
+from kvflow.fields import Config, choice, count, cpus, flag, seconds, settings, size, text
+from kvflow.layout import device_kind
+from kvflow.pool.config import SharedStoreConfig
 from kvflow.stores.memcache.config import MemcacheConfig
 from kvflow.stores.mooncake.config import MooncakeConfig
 
@@ -38,8 +37,7 @@ AUTO: Literal["auto"] = "auto"
 DEFAULT_CHUNK_TOKENS = 64
 
 
-@dataclass(frozen=True)
-class ConnectorConfig:
+class ConnectorConfig(Config):
     """The connector's settings; every key of ``kv_connector_extra_config``.
 
     Fields:
@@ -86,57 +84,33 @@ class ConnectorConfig:
             (default: in every worker), as a failure of one rank would.
     """
 
-    store: str = "shared"
-    shared: Mapping[str, Any] = field(default_factory=dict)
-    mooncake: Mapping[str, Any] = field(default_factory=dict)
-    memcache: Mapping[str, Any] = field(default_factory=dict)
-    local_capacity: int | str = "4GiB"
-    chunk_blocks: int = 0
-    use_layerwise: bool = True
-    save: bool = True
-    load: bool = True
-    save_decode_cache: bool = False
-    prefetch_layers: int = DEFAULT_PREFETCH_LAYERS
-    save_backlog: int = DEFAULT_SAVE_BACKLOG
-    copy_threads: int = 1
-    copy_cpus: tuple[int, ...] | Literal["auto"] = AUTO
-    op_timeout_s: float = DEFAULT_OP_TIMEOUT_S
-    copy_timeout_s: float = DEFAULT_COPY_TIMEOUT_S
-    lookup_timeout_s: float = 2.0
-    model: str = ""
-    debug_corrupt_loads: bool = False
-    debug_fail_loads: bool = False
-    debug_skip_saves: bool = False
-    debug_rank: int | None = None
+    store: str = choice(STORES, default="shared")
+    shared: Mapping[str, Any] = settings(default_factory=dict)
+    mooncake: Mapping[str, Any] = settings(default_factory=dict)
+    memcache: Mapping[str, Any] = settings(default_factory=dict)
+    local_capacity: int | str = size(default="4GiB")
+    chunk_blocks: int = count(default=0, low=0)  # 0: DEFAULT_CHUNK_TOKENS' worth
+    use_layerwise: bool = flag(default=True)
+    save: bool = flag(default=True)
+    load: bool = flag(default=True)
+    save_decode_cache: bool = flag(default=False)
+    prefetch_layers: int = count(default=DEFAULT_PREFETCH_LAYERS)
+    save_backlog: int = count(default=DEFAULT_SAVE_BACKLOG)
+    copy_threads: int = count(default=DEFAULT_COPY_THREADS)
+    copy_cpus: tuple[int, ...] | Literal["auto"] = cpus(default=AUTO, also=(AUTO,))
+    op_timeout_s: float = seconds(default=DEFAULT_OP_TIMEOUT_S)
+    copy_timeout_s: float = seconds(default=DEFAULT_COPY_TIMEOUT_S)
+    lookup_timeout_s: float = seconds(default=2.0)
+    model: str = text(default="")
+    debug_corrupt_loads: bool = flag(default=False)
+    debug_fail_loads: bool = flag(default=False)
+    debug_skip_saves: bool = flag(default=False)
+    debug_rank: int | None = count(default=None, low=0, also=(None,))
 
     def __post_init__(self) -> None:
-        if self.store not in STORES:
-            raise ConfigError("store", self.store, f"expected one of {STORES}")
-        flags = ("use_layerwise", "save", "load", "save_decode_cache", "debug_corrupt_loads")
-        for name in (*flags, "debug_fail_loads", "debug_skip_saves"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, getattr(self, name), "must be true or false")
-        for name in ("shared", "mooncake", "memcache"):
-            if not isinstance(getattr(self, name), Mapping):
-                raise ConfigError(name, getattr(self, name), "must be an object of settings")
-        chunk = self.chunk_blocks
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-            raise ConfigError("chunk_blocks", chunk, "must be an integer >= 1 (0: automatic)")
-        rank = self.debug_rank
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-            raise ConfigError("debug_rank", rank, "must be a tensor-parallel rank (>= 0)")
-        if not isinstance(self.model, str):
-            raise ConfigError("model", self.model, "must be a string")
-        cpus: object = self.copy_cpus
-        if cpus != AUTO:
-            if isinstance(cpus, (str, bytes)) or not isinstance(cpus, (list, tuple)):
-                raise ConfigError("copy_cpus", cpus, 'expected a list of CPU numbers or "auto"')
-            object.__setattr__(self, "copy_cpus", tuple(cpus))
-        object.__setattr__(
-            self, "local_capacity", parse_size(self.local_capacity, argument="local_capacity")
-        )
-        _positive_float("lookup_timeout_s", self.lookup_timeout_s)
-        self.engine_config(block_size=16, model="check")  # the engine's own checks, now
+        """The checks across fields: the engine's own (CPUs online), and the chosen store's
+        section, now rather than when the store opens."""
+        self.engine_config(block_size=16, model="check")
         if self.store == "shared":
             _nested("shared", self.shared_config)
         elif self.store == "mooncake" and self.mooncake:
@@ -148,8 +122,7 @@ class ConnectorConfig:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         """From ``kv_connector_extra_config`` (None or {} gives the defaults). Unknown keys
         are an error that lists the known ones."""
-        values = dict(extra or {})
-        return from_dict(cls, values)
+        return cls.from_dict(extra or {})
 
     def saves_as(self, kv_role: object) -> bool:
         """Whether an instance in vLLM's ``kv_role`` stores chunks: a ``kv_producer`` (a
@@ -205,10 +178,7 @@ class ConnectorConfig:
         gives no segment (the scheduler only looks up)."""
         base = MooncakeConfig.from_dict(self.mooncake) if self.mooncake else None
         config = base or MooncakeConfig.from_env()
-        if pure_client:
-            values = {f.name: getattr(config, f.name) for f in fields(MooncakeConfig)}
-            config = MooncakeConfig(**{**values, "global_segment_size": 0})
-        return config
+        return replace(config, global_segment_size=0) if pure_client else config
 
     def memcache_config(self, device: Any = "cpu") -> MemcacheConfig:
         """memcache settings (from the ``memcache`` keys, else the environment) for a client

@@ -6,11 +6,11 @@ import json
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
-from kvflow.config import _positive_float, from_dict, parse_size
 from kvflow.errors import ConfigError
+from kvflow.fields import Config, choice, count, env_values, flag, seconds, size, text
 
 __all__ = ["ENV_PREFIX", "MooncakeConfig"]
 
@@ -22,8 +22,22 @@ _MIN_SEGMENT = 16 << 20  # Mooncake refuses smaller segments (INVALID_PARAMS at 
 _PROTOCOLS = ("tcp", "rdma")
 
 
-@dataclass(frozen=True)
-class MooncakeConfig:
+def _host_port(address: str) -> str | None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return "expected host:port"
+    return None
+
+
+def _segment(size: int) -> str | None:
+    return "must be 0 or at least 16 MiB" if 0 < size < _MIN_SEGMENT else None
+
+
+def _metadata_server(value: str) -> str | None:
+    return None if value else "use 'P2PHANDSHAKE' or a URL"
+
+
+class MooncakeConfig(Config):
     """Settings of a Mooncake client. Keys match Mooncake's own JSON config file.
 
     Fields:
@@ -49,53 +63,19 @@ class MooncakeConfig:
         timeout_s: each metadata call may take this long before the store counts as down.
     """
 
-    master_server_address: str = ""
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
-    device_name: str = ""
-    local_hostname: str = ""
-    global_segment_size: int | str = DEFAULT_GLOBAL_SEGMENT_SIZE
-    local_buffer_size: int | str = DEFAULT_LOCAL_BUFFER_SIZE
-    replica_num: int = 1
-    prefer_local_segment: bool = True
-    key_prefix: str = ""
-    timeout_s: float = 10.0
-    local_reads: bool = True
-    local_read_window_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        master = self.master_server_address
-        host, _, port = master.rpartition(":") if isinstance(master, str) else ("", "", "")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError("master_server_address", master, "expected host:port")
-        for name in ("metadata_server", "device_name", "local_hostname", "key_prefix"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(name, getattr(self, name), "must be a string")
-        if not self.metadata_server:
-            raise ConfigError("metadata_server", "", "use 'P2PHANDSHAKE' or a URL")
-        if self.protocol not in _PROTOCOLS:
-            raise ConfigError("protocol", self.protocol, f"expected one of {_PROTOCOLS}")
-        if not self.local_hostname:
-            object.__setattr__(self, "local_hostname", socket.gethostname())
-        segment = parse_size(self.global_segment_size, argument="global_segment_size")
-        if 0 < segment < _MIN_SEGMENT:
-            raise ConfigError("global_segment_size", segment, "must be 0 or at least 16 MiB")
-        object.__setattr__(self, "global_segment_size", segment)
-        buffer = parse_size(self.local_buffer_size, argument="local_buffer_size")
-        object.__setattr__(self, "local_buffer_size", buffer)
-        replicas = self.replica_num
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise ConfigError("replica_num", replicas, "must be an integer >= 1")
-        for name in ("prefer_local_segment", "local_reads"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, getattr(self, name), "must be a bool")
-        _positive_float("timeout_s", self.timeout_s)
-        _positive_float("local_read_window_s", self.local_read_window_s)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> MooncakeConfig:
-        """From a plain dict; unknown keys are an error that lists the known ones."""
-        return from_dict(cls, dict(values))
+    master_server_address: str = text(default="", check=_host_port)
+    metadata_server: str = text(default="P2PHANDSHAKE", check=_metadata_server)
+    protocol: str = choice(_PROTOCOLS, default="tcp")
+    device_name: str = text(default="")
+    local_hostname: str = text(default="", when_empty=socket.gethostname)
+    global_segment_size: int | str = size(default=DEFAULT_GLOBAL_SEGMENT_SIZE, check=_segment)
+    local_buffer_size: int | str = size(default=DEFAULT_LOCAL_BUFFER_SIZE)
+    replica_num: int = count(default=1)
+    prefer_local_segment: bool = flag(default=True)
+    key_prefix: str = text(default="")
+    timeout_s: float = seconds(default=10.0)
+    local_reads: bool = flag(default=True)
+    local_read_window_s: float = seconds(default=1.0)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> MooncakeConfig:
@@ -118,26 +98,4 @@ class MooncakeConfig:
         if env.get(CONFIG_PATH_ENV):
             base = cls.from_json(env[CONFIG_PATH_ENV])
             values = {f.name: getattr(base, f.name) for f in fields(cls)}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
-                continue
-            if f.name == "replica_num":
-                if not raw.strip().isdigit():
-                    raise ConfigError(ENV_PREFIX + "REPLICA_NUM", raw, "must be an integer")
-                values[f.name] = int(raw)
-            elif f.name in ("prefer_local_segment", "local_reads"):
-                flag = raw.strip().lower()
-                if flag not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ConfigError(ENV_PREFIX + f.name.upper(), raw, "must be 1 or 0")
-                values[f.name] = flag in ("1", "true", "yes")
-            elif f.name in ("timeout_s", "local_read_window_s"):
-                try:
-                    values[f.name] = float(raw)
-                except ValueError:
-                    raise ConfigError(
-                        ENV_PREFIX + f.name.upper(), raw, "must be a number"
-                    ) from None
-            else:
-                values[f.name] = raw
-        return cls(**values)
+        return cls(**{**values, **env_values(cls, ENV_PREFIX, env)})
