@@ -11,30 +11,18 @@ refused while one that timed out still runs.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvflow.cpus import pin_current_thread
 from kvflow.errors import ClosedError, TransferTimeoutError
 
-__all__ = ["BoundedCaller", "pin_current_thread"]
+__all__ = ["BoundedCaller"]
 
 T = TypeVar("T")
-
-
-def pin_current_thread(cpus: tuple[int, ...]) -> bool:
-    """Pin the calling thread to ``cpus``; False when there are none or the OS refuses.
-    Threads it starts afterwards inherit the pinning."""
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return False
-    try:
-        os.sched_setaffinity(0, cpus)  # 0: the calling thread on Linux
-    except OSError:  # pinning is an optimisation, not a requirement
-        return False
-    return True
 
 
 @dataclass(eq=False)

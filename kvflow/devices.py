@@ -16,7 +16,7 @@ torch knows; on CPU tensors torch's ``torch.cpu`` module implements the same cal
 the accelerator path is exercised where no accelerator exists.
 
 CUDA GPUs get ``CudaDevice``: kvflow issues the host pools' copies itself, as
-``cudaMemcpyAsync`` calls on a stream of its own per direction (``kvflow.cuda``), so the
+``cudaMemcpyAsync`` calls on a stream of its own per direction (``kvflow.copying.cuda``), so
 compute stream and the copies wait on each other's events and no caller's thread waits.
 
 Which device memory a store's ``batch_copy`` can address is the store's business
@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvflow.copying.host import issue_ranges, moving_with
 from kvflow.errors import LayoutError, MissingDependencyError, StoreError
+from kvflow.layout import DEVICE_KINDS, device_kind
 from kvflow.stores.base import Direction
-from kvflow.stores.copyloop import issue_ranges, moving_with
 
 if TYPE_CHECKING:
-    from kvflow.cuda import CopyRuntime
+    from kvflow.copying.cuda import CopyRuntime
 
 __all__ = ["CpuDevice", "CudaDevice", "DeviceOps", "StreamDevice", "device_kind", "device_ops"]
 
@@ -161,7 +162,8 @@ class CudaDevice(StreamDevice):
     released, only once its bytes have moved): that wait is on kvflow's thread, never the
     caller's, and it happens even when issuing or signalling failed.
 
-    ``runtime`` is the CUDA runtime to issue through (default: the process's, ``kvflow.cuda``).
+    ``runtime`` is the CUDA runtime to issue through (default: the process's,
+    ``kvflow.copying.cuda``).
     """
 
     def __init__(self, device: torch.device | str, runtime: CopyRuntime | None = None) -> None:
@@ -215,7 +217,7 @@ class CudaDevice(StreamDevice):
     def _mover(
         self, stream: Any, on_issued: Issued | None
     ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
-        from kvflow import cuda
+        from kvflow.copying import cuda
 
         rt = self._runtime or cuda.runtime()
         handle = int(getattr(stream, "cuda_stream", 0))
@@ -255,12 +257,6 @@ class CudaDevice(StreamDevice):
 
 
 _CPU = CpuDevice()
-_ACCELERATORS = ("npu", "cuda")
-
-
-def device_kind(device: Any) -> str:
-    """``"cpu"``, ``"npu"``, ``"cuda"``...: the type of a torch device or its name."""
-    return str(getattr(device, "type", str(device).split(":")[0]))
 
 
 def device_ops(device: Any) -> DeviceOps:
@@ -271,8 +267,8 @@ def device_ops(device: Any) -> DeviceOps:
     kind = device_kind(device)
     if kind == "cpu":
         return _CPU
-    if kind not in _ACCELERATORS:
-        raise LayoutError("device", str(device), f"kvflow handles cpu and {_ACCELERATORS}")
+    if kind not in DEVICE_KINDS:
+        raise LayoutError("device", str(device), f"kvflow handles {DEVICE_KINDS}")
     if kind == "npu":
         try:
             import torch_npu  # type: ignore[import-not-found]  # noqa: F401  # registers npu

@@ -27,10 +27,24 @@ from kvflow.errors import InvalidArgumentError, LayoutError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVLayout", "KVPart", "LAYOUT_FORMAT_VERSION", "SKIP_BLOCK"]
+__all__ = [
+    "DEVICE_KINDS",
+    "KVLayout",
+    "KVPart",
+    "LAYOUT_FORMAT_VERSION",
+    "SKIP_BLOCK",
+    "device_kind",
+]
 
 LAYOUT_FORMAT_VERSION = 1
 SKIP_BLOCK = -1  # a load's block id for a place whose KV the caller holds: nothing is written
+# the kinds of device memory kvflow moves bytes for (kvflow.devices has an ordering for each)
+DEVICE_KINDS = ("cpu", "npu", "cuda")
+
+
+def device_kind(device: Any) -> str:
+    """``"cpu"``, ``"npu"``, ``"cuda"``...: the type of a torch device or its name."""
+    return str(getattr(device, "type", str(device).split(":")[0]))
 
 
 @dataclass(frozen=True)
@@ -168,9 +182,8 @@ class KVLayout:
         assert num_blocks is not None
         if num_blocks < 1:
             raise LayoutError("tensors[0].shape[0]", num_blocks, "need at least one block")
-        from kvflow.devices import device_ops  # local: devices imports layout types
-
-        device_ops(device)  # refuses devices kvflow cannot move bytes for
+        if device_kind(device) not in DEVICE_KINDS:  # kvflow moves bytes for these only
+            raise LayoutError("device", str(device), f"kvflow handles {DEVICE_KINDS}")
         tensors = keep or tuple(t for parts in per_layer for t in parts)
         return cls(
             layers=tuple(layers),

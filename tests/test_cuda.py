@@ -6,7 +6,7 @@ memory) or a ctypes function that fails where a test says, and ``CudaDevice`` ru
 ``torch.cpu``'s streams and events. Everything else is the code a GPU runs: the native issue
 loop, the thread's mover inside the host pools' copies, the per-direction streams, the early
 signal of a load, the copy thread's wait before a store commits or releases, and the pinning
-calls of both host pools (with ``kvflow.cuda``'s runtime replaced by a recorder). The same
+calls of both host pools (with ``kvflow.copying.cuda``'s runtime replaced by a recorder). The same
 paths on a real GPU: tests/cuda/.
 """
 
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import kvflow
-import kvflow.cuda
+import kvflow.copying.cuda
 from kvflow.abc import Direction, Store
+from kvflow.copying.host import HOST_MEMCPY_ASYNC, NATIVE, MemcpyAsyncFn, issue_ranges
 from kvflow.devices import CudaDevice, device_ops
 from kvflow.results import ChunkStatus
-from kvflow.stores.copyloop import HOST_MEMCPY_ASYNC, NATIVE, MemcpyAsyncFn, issue_ranges
 from tests.support.caches import make_caches
 from tests.support.gates import Gate
 from tests.support.pools import ServedSharedStore
@@ -35,7 +35,7 @@ BS = 16
 
 
 class HostRuntime:
-    """Stands in for ``kvflow.cuda.CudaRuntime``: copies host memory, fails when told to."""
+    """Stands in for ``kvflow.copying.cuda.CudaRuntime``: copies host memory, fails when told to."""
 
     def __init__(self, fail_at: int | None = None, error: int = 700) -> None:
         self.calls = 0
@@ -250,7 +250,7 @@ def test_a_failed_device_copy_fails_the_layer_and_nothing_waits_forever() -> Non
 
 
 class PinRecorder:
-    """Stands in for ``kvflow.cuda.runtime()``: records host registrations."""
+    """Stands in for ``kvflow.copying.cuda.runtime()``: records host registrations."""
 
     def __init__(self, refuse: bool = False) -> None:
         self.pinned: dict[int, int] = {}
@@ -268,8 +268,8 @@ class PinRecorder:
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> PinRecorder:
     rec = PinRecorder()
-    monkeypatch.setattr(kvflow.cuda, "gpu_present", lambda: True)
-    monkeypatch.setattr(kvflow.cuda, "runtime", lambda: rec)
+    monkeypatch.setattr(kvflow.copying.cuda, "gpu_present", lambda: True)
+    monkeypatch.setattr(kvflow.copying.cuda, "runtime", lambda: rec)
     return rec
 
 
@@ -307,7 +307,7 @@ def test_a_refused_pin_is_an_error_only_when_asked_for(
 
 
 def test_pinning_without_a_gpu_is_refused_by_name() -> None:
-    if kvflow.cuda.gpu_present():
+    if kvflow.copying.cuda.gpu_present():
         pytest.skip("a GPU is present")
     assert not kvflow.LocalStore("1MiB").pinned  # the default: pinned only with a GPU
     with pytest.raises(kvflow.ConfigError, match="pin"):

@@ -17,11 +17,24 @@ LEAVES = (
     "kvflow._validate",
     "kvflow.bounded",
     "kvflow.config",
-    "kvflow.cuda",
+    "kvflow.cpus",
     "kvflow.errors",
+    "kvflow.fields",
     "kvflow.keys",
+    "kvflow.kinds",
+    "kvflow.layout",
+    "kvflow.results",
     "kvflow.stats",
     "kvflow.trace",
+)
+# the floors, bottom up: a module imports its own floor and those below, never one above
+FLOORS = (
+    ("data", LEAVES),
+    ("copy", ("kvflow.copying", "kvflow._native")),
+    ("stores", ("kvflow.stores", "kvflow.pool")),
+    ("devices", ("kvflow.devices", "kvflow.abc", "kvflow.testing")),
+    ("pipeline", ("kvflow.pipeline",)),
+    ("integrations", ("kvflow.integrations", "kvflow.bench", "kvflow.cli", "kvflow.__main__")),
 )
 BACKENDS = ("kvflow.stores.local", "kvflow.stores.mooncake", "kvflow.stores.memcache")
 # (importers, modules they must not import, why)
@@ -30,7 +43,7 @@ RULES = [
     (
         ("kvflow.stores",),
         ("kvflow.pool", "kvflow.pipeline", "kvflow.integrations", "kvflow.bench", "kvflow.cli",
-         "kvflow.layout", "kvflow.devices", "kvflow.abc", "kvflow.testing"),
+         "kvflow.devices", "kvflow.abc", "kvflow.testing"),
         "a store knows the Store interface and the leaves, nothing that drives it",
     ),
     (
@@ -110,7 +123,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read_from_every_module() -> None:
     assert len(GRAPH) > 50
     assert "kvflow.pipeline.runtime" in GRAPH["kvflow.pipeline.engine"]
-    assert "kvflow.stores.base" in GRAPH["kvflow.pool.server"]
+    assert "kvflow.stores.base" in GRAPH["kvflow.pool.service"]
 
 
 def test_no_module_imports_itself_through_others() -> None:
@@ -120,6 +133,35 @@ def test_no_module_imports_itself_through_others() -> None:
 def test_the_cycle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _floor(name: str) -> int:
+    """The floor ``name`` stands on (the package's top level: above every floor)."""
+    if name == "kvflow":
+        return len(FLOORS)
+    on = [i for i, (_, prefixes) in enumerate(FLOORS) if _within(name, prefixes)]
+    assert len(on) == 1, f"{name} stands on {len(on)} floors: place it in FLOORS"
+    return on[0]
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_every_module_stands_on_one_floor() -> None:
+    for name in GRAPH:
+        _floor(name)
+
+
+def test_no_import_goes_up_a_floor() -> None:
+    """data -> copy -> stores -> devices -> pipeline -> integrations (docs/architecture.md)."""
+    up = sorted(
+        f"{m} ({FLOORS[_floor(m)][0]}) -> {t} ({FLOORS[_floor(t)][0]})"
+        for m, targets in GRAPH.items()
+        for t in targets
+        if _floor(t) > _floor(m)
+    )
+    assert up == []
 
 
 @pytest.mark.parametrize(("importers", "forbidden", "why"), RULES, ids=lambda r: str(r)[:40])

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvflow.bounded import BoundedCaller, pin_current_thread
+from kvflow.bounded import BoundedCaller
+from kvflow.cpus import pin_current_thread
 
 __all__ = ["PinnedExecutor", "call_pinned"]
 

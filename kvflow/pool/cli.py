@@ -13,9 +13,17 @@ import time
 from typing import Any
 
 from kvflow import trace
-from kvflow.config import cpu_list, parse_size
+from kvflow.config import parse_size
+from kvflow.cpus import cpu_list, pin_all_threads
 from kvflow.errors import KVFlowError, PoolRunningError, StoreError
 from kvflow.pool.client import query_stats
+from kvflow.pool.config import (
+    DEFAULT_CAPACITY,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_CLIENTS,
+    PoolConfig,
+)
 from kvflow.pool.launch import (
     EXIT_RUNNING,
     differences,
@@ -26,14 +34,7 @@ from kvflow.pool.launch import (
 )
 from kvflow.pool.metrics import DEFAULT_METRICS_HOST, MetricsEndpoint, require_client
 from kvflow.pool.paths import check_socket_path, default_socket
-from kvflow.pool.server import (
-    DEFAULT_CAPACITY,
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_LEASE_TTL_S,
-    DEFAULT_MAX_CLIENTS,
-    PoolConfig,
-    PoolServer,
-)
+from kvflow.pool.server import PoolServer
 from kvflow.stores.hostmem import check_capacity
 
 __all__ = ["add_commands"]
@@ -220,8 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.cpus:  # the threads started at import (a BLAS's) too; later ones inherit it
         try:
-            for tid in os.listdir("/proc/self/task"):
-                os.sched_setaffinity(int(tid), args.cpus)
+            pin_all_threads(args.cpus)
         except OSError as exc:
             print(f"kvflow serve: --cpus {args.cpus}: {exc.strerror}", file=sys.stderr)
             return 2

@@ -18,12 +18,12 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from kvflow.config import server_cpus
+from kvflow.cpus import server_cpus
 from kvflow.errors import PoolRunningError, StoreUnavailableError
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection
+from kvflow.pool.config import PoolConfig
 from kvflow.pool.paths import ensure_private_directory, sibling
-from kvflow.pool.server import PoolConfig
 
 __all__ = [
     "EXIT_RUNNING",

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvflow.config import parse_size
-from kvflow.cuda import pin_host
+from kvflow.copying.cuda import pin_host
+from kvflow.copying.host import NATIVE, copy_ranges
 from kvflow.errors import ClosedError, ConfigError, InvalidArgumentError
 from kvflow.stores.arena import SLOT_ALIGN, ArenaIndex
 from kvflow.stores.base import (
@@ -22,7 +23,6 @@ from kvflow.stores.base import (
     WriteSession,
     WriteStatus,
 )
-from kvflow.stores.copyloop import NATIVE, copy_ranges
 from kvflow.stores.hostmem import check_capacity
 from kvflow.stores.regions import LocalRegions, check_copy_arrays
 
@@ -43,7 +43,7 @@ class LocalStore(Store):
     even where the native one is built (for comparisons).
 
     KV caches on a CUDA GPU are copied by the GPU's DMA engines (``Store.device_memory``; see
-    ``kvflow.devices.CudaDevice``). ``pin`` page-locks the arena for that (``kvflow.cuda``):
+    ``kvflow.devices.CudaDevice``). ``pin`` page-locks the arena for that (``kvflow.copying.cuda``):
     ``None`` (the default) when a CUDA GPU is present, ``True`` always (an error without one),
     ``False`` never. Pinning maps every page at construction, like ``prefault``.
 
@@ -54,7 +54,7 @@ class LocalStore(Store):
 
     Concurrency: every method is thread-safe. Metadata calls take one lock for a few
     microseconds per key; ``batch_copy`` takes no lock and copies without the GIL (see
-    ``kvflow.stores.copyloop``), so several copy threads run in parallel. ``close()`` aborts
+    ``kvflow.copying.host``), so several copy threads run in parallel. ``close()`` aborts
     pending writes and drops leases; finishing or closing a session after ``close()`` is a
     no-op. The memory itself lives until the store object is garbage, so a straggling copy
     cannot fault. ``usage().used`` counts object bytes; each object occupies a 4 KiB-aligned

@@ -16,7 +16,7 @@ import pytest
 
 from kvflow.bench.overhead import FLAT_SHARE, growth
 from kvflow.cli import main
-from kvflow.stores.copyloop import NATIVE
+from kvflow.copying.host import NATIVE
 from tests.support.pools import require_mooncake
 
 

@@ -5,7 +5,7 @@ runtime library (``libcudart``); ``runtime()`` finds it among the libraries mapp
 process and calls four of its functions through ctypes:
 
 * ``cudaMemcpyAsync``: its address goes to the native copy loop
-  (``kvflow.stores.copyloop.issue_ranges``), which calls it once per coalesced range, without
+  (``kvflow.copying.host.issue_ranges``), which calls it once per coalesced range, without
   the GIL, on the copy thread's stream;
 * ``cudaHostRegister`` / ``cudaHostUnregister``: page-lock a host pool's arena, so a copy to or
   from it is a true asynchronous DMA (pageable memory is staged by the driver, and its copies

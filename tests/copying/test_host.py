@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvflow.copying import host as copyloop
 from kvflow.errors import ConfigError
-from kvflow.stores import copyloop
 
 PATHS = [pytest.param((False, None), id="python")]
 if copyloop.NATIVE:  # both ways the native loop can copy, whatever this machine chose
