@@ -2,6 +2,7 @@
 arena and its index, the wire protocol, and the store that is its client (``kvflow.SharedStore``,
 ``store.py``)."""
 
-from kvflow.pool.server import PoolConfig, PoolServer
+from kvflow.pool.config import PoolConfig
+from kvflow.pool.server import PoolServer
 
 __all__ = ["PoolConfig", "PoolServer"]

@@ -1,7 +1,7 @@
 """PoolConnection: one client connection to a pool server, with the arena mapped.
 
-Blocking and not thread-safe: the owner (SharedStore) serialises requests. Every read and write
-on the socket has a timeout; a timeout, a closed socket or a malformed reply raises
+Blocking and not thread-safe: the owner (a SharedStore's PoolLink) serialises requests. Every
+read and write on the socket has a timeout; a timeout, a closed socket or a malformed reply raises
 StoreUnavailableError or ProtocolError, after which the connection is unusable (``broken``;
 ``hung_up`` when the server had closed it). A server that does not take the connection (its
 connection limit) says why: PoolRefusedError.
@@ -10,42 +10,21 @@ connection limit) says why: PoolRefusedError.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
-import mmap
 import os
 import select
 import socket
 import stat
 import struct
-import time
 from collections.abc import Callable
 
-from kvflow.cuda import pin_host
+from kvflow.copying.cuda import pin_host
 from kvflow.errors import PoolRefusedError, ProtocolError, StoreError, StoreUnavailableError
 from kvflow.pool import protocol as p
+from kvflow.pool.memory import SEALS, map_shared, reserve, unmap
 
 __all__ = ["PoolConnection", "Reply", "map_shared", "query_stats", "unmap"]
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_MAP_FIXED = 0x10  # Linux
-_PROT_NONE = 0
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _PEERCRED = struct.Struct("3i")
 
 Reply = tuple[p.Code, bytes]
@@ -114,20 +93,18 @@ class PoolConnection:
                 f"pool server on {self.path} did not answer: {exc}"
             ) from exc
         try:
-            if len(header) < p.HEADER.size:
-                header += self._recv_exact(p.HEADER.size - len(header))
-            code, body = self._read_reply(rid, header)
+            code, body, features = self._read_reply(rid, header)
             if code == p.Code.REFUSED:
                 raise PoolRefusedError(self.path, body.decode("utf-8", "replace"))
             if code != p.Code.OK:
                 raise StoreError(f"pool server refused HELLO: {body.decode('utf-8', 'replace')}")
             hello = p.parse_hello(body)
-            self.features = p.HEADER.unpack(header)[3]  # the HELLO reply's flags
+            self.features = features  # the HELLO reply's flags
             if len(fds) != 1:
                 raise ProtocolError("HELLO reply came without the arena")
             size = os.fstat(fds[0]).st_size
             seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
-            if seals & _SEALS != _SEALS:
+            if seals & SEALS != SEALS:
                 raise ProtocolError("the arena is not sealed against resizing")
             if size != hello.capacity:
                 raise ProtocolError(f"arena of {size} bytes, server said {hello.capacity}")
@@ -157,8 +134,8 @@ class PoolConnection:
             raise StoreUnavailableError(f"connection to the pool on {self.path} is closed")
         try:
             rid = self._send(op, body)
-            header = self._recv_exact(p.HEADER.size)
-            return self._read_reply(rid, header)
+            code, reply, _ = self._read_reply(rid)
+            return code, reply
         except BaseException:
             self.broken = True
             raise
@@ -181,29 +158,18 @@ class PoolConnection:
             raise StoreUnavailableError(f"pool server on {self.path} is gone: {exc}") from exc
         return rid
 
-    def _read_reply(self, rid: int, header: bytes) -> Reply:
-        length, version, code, _, got = p.HEADER.unpack(header)
-        if version != p.VERSION or got != rid or length > p.MAX_BODY:
-            raise ProtocolError(f"unexpected reply (version {version}, id {got}, {length} bytes)")
-        body = self._recv_exact(length)
+    def _read_reply(self, rid: int, head: bytes = b"") -> tuple[p.Code, bytes, int]:
+        """The reply to request ``rid`` (``head``: its first bytes, if some came already):
+        its code, body and header flags. The header and the body each get ``timeout_s``."""
         try:
-            return p.Code(code), body
-        except ValueError:
-            raise ProtocolError(f"unknown reply code {code}") from None
-
-    def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            while got < n:
-                self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-                k = self._sock.recv_into(view[got:])
-                if k == 0:
-                    self.hung_up = True
-                    raise StoreUnavailableError(f"pool server on {self.path} closed the connection")
-                got += k
+            frame = p.read_frame(self._sock, self.timeout_s, head)
+            if frame is None:
+                raise EOFError("closed before the reply")
+        except EOFError:
+            self.hung_up = True
+            raise StoreUnavailableError(
+                f"pool server on {self.path} closed the connection"
+            ) from None
         except TimeoutError as exc:
             raise StoreUnavailableError(
                 f"pool server on {self.path} did not answer within {self.timeout_s:g} s"
@@ -211,7 +177,13 @@ class PoolConnection:
         except OSError as exc:
             self.hung_up = isinstance(exc, ConnectionResetError)
             raise StoreUnavailableError(f"pool server on {self.path} is gone: {exc}") from exc
-        return bytes(buf)
+        version, got = frame.version, frame.request_id
+        if version != p.VERSION or got != rid:
+            raise ProtocolError(f"unexpected reply (version {version}, id {got})")
+        try:
+            return p.Code(frame.kind), frame.body, frame.flags
+        except ValueError:
+            raise ProtocolError(f"unknown reply code {frame.kind}") from None
 
     def goodbye(self) -> None:
         """Ask the server to release this connection's sessions now, then close."""
@@ -232,10 +204,7 @@ class PoolConnection:
         no later mapping can land where stale addresses point. ``unmap()`` frees the range."""
         self._release_pin()
         if self.base and not self.retired:
-            flags = _MAP_FIXED | mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-            got = _libc.mmap(self.base, self.capacity, _PROT_NONE, flags, -1, 0)
-            if got != self.base:  # cannot happen with MAP_FIXED; never leave the range open
-                raise StoreError(f"cannot reserve the old arena: {os.strerror(ctypes.get_errno())}")
+            reserve(self.base, self.capacity)
             self.retired = True
 
     def unmap(self) -> None:
@@ -248,33 +217,6 @@ class PoolConnection:
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
-
-
-def map_shared(fd: int, size: int, populate: bool) -> int:
-    """Map ``size`` bytes of ``fd`` shared, read-write; returns the address (``munmap`` it).
-
-    With ``populate`` every page is mapped writable now (``MADV_POPULATE_WRITE``, Linux 5.14;
-    older kernels get ``MAP_POPULATE``, which maps shared pages read-only, so the first write to
-    each still faults). Nothing in the memory changes.
-    """
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise StoreError(f"cannot map the pool's arena: {os.strerror(err)}", err)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        _libc.madvise(addr, size, mmap.MADV_HUGEPAGE)  # advice only; shmem THP may be off
-    if populate and _libc.madvise(addr, size, _MADV_POPULATE_WRITE) != 0:
-        _libc.munmap(addr, size)
-        flags = mmap.MAP_SHARED | _MAP_POPULATE
-        addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise StoreError(f"cannot map the pool's arena: {os.strerror(err)}", err)
-    return int(addr)
-
-
-def unmap(addr: int, size: int) -> None:
-    _libc.munmap(addr, size)
 
 
 def query_stats(path: str, timeout_s: float) -> dict[str, int]:

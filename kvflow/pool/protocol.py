@@ -26,8 +26,9 @@ Requests (and their reply bodies):
     OPEN_WRITE_CTX  u64 nbytes, keys, context keys -> as OPEN_WRITE (Feature.CONTEXT)
     OPEN_READ_CTX keys, context keys           -> as OPEN_READ    (Feature.CONTEXT)
 
-The ``_CTX`` ops also name the chunks before their keys (``SupportsPrefixContext``): the server
-only touches those for its eviction order, after the call's own keys.
+The ``_CTX`` ops also name the chunks before their keys (the prefix context of
+``kvflow.stores.base``): the server only touches those for its eviction order, after the call's
+own keys.
 
 A session reply is ``u64 handle, u32 n, n x i64 offset, n x i64 size, n x u8 flag``.
 ``keys`` is ``u32 n, n x u16 length, the UTF-8 bytes of every key back to back``. A reply's code
@@ -36,17 +37,24 @@ UTF-8 reason. A connection the server does not take (its connection limit, a uid
 accept) gets a REFUSED reply to its HELLO, with the reason, and is closed. Decoding is pure
 and all-or-nothing: a message is decoded completely before the server acts on it, so a
 malformed one (``ProtocolError``) changes nothing.
+
+Both sides read frames with ``read_frame`` (over ``recv_exact``): blocking reads on one socket,
+from one thread at a time; a body's fields are read with ``kvflow.pool.codec.Reader``.
 """
 
 from __future__ import annotations
 
 import enum
+import socket
 import struct
+import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from kvflow.errors import InvalidArgumentError, ProtocolError
+from kvflow.errors import ProtocolError
+from kvflow.pool.codec import MAX_KEY_BYTES, MAX_KEYS, U32, U64, Reader, encode_keys
 
 __all__ = [
     "HEADER",
@@ -58,12 +66,15 @@ __all__ = [
     "FEATURES",
     "Code",
     "Feature",
+    "Frame",
     "Hello",
     "Op",
     "Request",
     "decode_request",
     "encode_keys",
     "frame",
+    "read_frame",
+    "recv_exact",
     "Reader",
     "finish_write_body",
     "flags_reply",
@@ -84,8 +95,6 @@ __all__ = [
 VERSION = 1
 HEADER = struct.Struct("<IBBHI")
 MAX_BODY = 64 << 20  # a frame's body; 1 M keys of 64 bytes fit
-MAX_KEYS = 1 << 20
-MAX_KEY_BYTES = 1024
 
 STATS_FIELDS = (
     "capacity",
@@ -167,8 +176,6 @@ class Hello:
     lease_ttl_ms: int
 
 
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 _HELLO = struct.Struct("<QQI")
 _HANDLE_N = struct.Struct("<QI")
 
@@ -178,66 +185,60 @@ def frame(code_or_op: int, request_id: int, body: bytes = b"", flags: int = 0) -
     return HEADER.pack(len(body), VERSION, code_or_op, flags, request_id) + body
 
 
-class Reader:
-    """Reads fields from a body, checking every length against what is left."""
+class Frame(NamedTuple):
+    """A frame read: its header's fields and its body (``kind``: the op or the reply code)."""
 
-    def __init__(self, body: bytes) -> None:
-        self._body = memoryview(body)
-        self._at = 0
-
-    def take(self, n: int, what: str) -> memoryview:
-        if n < 0 or self._at + n > len(self._body):
-            raise ProtocolError(f"{what}: needs {n} bytes, {len(self._body) - self._at} left")
-        out = self._body[self._at : self._at + n]
-        self._at += n
-        return out
-
-    def u32(self, what: str) -> int:
-        value: int = _U32.unpack(self.take(4, what))[0]
-        return value
-
-    def u64(self, what: str) -> int:
-        value: int = _U64.unpack(self.take(8, what))[0]
-        return value
-
-    def array(self, dtype: type, n: int, what: str) -> np.ndarray:
-        size = np.dtype(dtype).itemsize
-        out: np.ndarray = np.frombuffer(self.take(n * size, what), dtype=dtype).copy()
-        return out
-
-    def keys(self) -> tuple[str, ...]:
-        n = self.u32("key count")
-        if n > MAX_KEYS:
-            raise ProtocolError(f"key count {n} above the limit {MAX_KEYS}")
-        lengths = self.array(np.dtype("<u2").type, n, "key lengths").astype(np.int64)
-        if n and int(lengths.max()) > MAX_KEY_BYTES:
-            raise ProtocolError(f"a key of {int(lengths.max())} bytes (limit {MAX_KEY_BYTES})")
-        blob = bytes(self.take(int(lengths.sum()), "key bytes"))
-        ends = np.cumsum(lengths).tolist()
-        starts = [0, *ends][:n]
-        try:
-            return tuple(blob[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True))
-        except UnicodeDecodeError as exc:
-            raise ProtocolError(f"a key is not UTF-8: {exc.reason}") from exc
-
-    def end(self) -> None:
-        left = len(self._body) - self._at
-        if left:
-            raise ProtocolError(f"{left} unexpected trailing bytes")
+    version: int
+    kind: int
+    flags: int
+    request_id: int
+    body: bytes
 
 
-def encode_keys(keys: tuple[str, ...] | list[str]) -> bytes:
-    try:
-        raw = [k.encode("utf-8") for k in keys]
-    except (UnicodeEncodeError, AttributeError) as exc:
-        raise InvalidArgumentError("keys", keys, "keys must be strings encodable as UTF-8") from exc
-    if len(raw) > MAX_KEYS:
-        raise InvalidArgumentError("keys", len(raw), f"more than {MAX_KEYS} keys in one call")
-    lengths = np.fromiter((len(b) for b in raw), dtype=np.int64, count=len(raw))
-    if len(raw) and int(lengths.max()) > MAX_KEY_BYTES:
-        longest = keys[int(lengths.argmax())]
-        raise InvalidArgumentError("keys", longest, f"a key is limited to {MAX_KEY_BYTES} bytes")
-    return _U32.pack(len(raw)) + lengths.astype("<u2").tobytes() + b"".join(raw)
+def recv_exact(sock: socket.socket, n: int, timeout: float | None = None) -> bytes:
+    """``n`` bytes from ``sock``, or fewer if the peer closes first (none: closed before them).
+
+    ``timeout``: all ``n`` bytes must arrive within this long, else TimeoutError; None leaves
+    each wait to the socket's own timeout. The socket's errors (OSError) propagate.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while got < n:
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            return bytes(view[:got])
+        got += k
+    return bytes(buf)
+
+
+def read_frame(
+    sock: socket.socket, timeout: float | None = None, head: bytes = b""
+) -> Frame | None:
+    """The next frame on ``sock``; None if the peer closed before its first byte.
+
+    ``head``: the header's first bytes, already received (with a file descriptor, say).
+    ``timeout`` bounds the header and the body each (``recv_exact``). A peer that closes inside
+    the frame raises EOFError; a body over MAX_BODY, ProtocolError. A frame of another protocol
+    version is returned with its header only (an empty body, left unread): the caller refuses it.
+    """
+    header = head + recv_exact(sock, HEADER.size - len(head), timeout)
+    if not header:
+        return None
+    if len(header) < HEADER.size:
+        raise EOFError(f"connection closed after {len(header)} of {HEADER.size} header bytes")
+    length, version, kind, flags, rid = HEADER.unpack(header)
+    if version != VERSION:
+        return Frame(version, kind, flags, rid, b"")
+    if length > MAX_BODY:
+        raise ProtocolError(f"a {length}-byte message (limit {MAX_BODY})")
+    body = recv_exact(sock, length, timeout)
+    if len(body) < length:
+        raise EOFError(f"connection closed after {len(body)} of {length} body bytes")
+    return Frame(version, kind, flags, rid, body)
 
 
 def decode_request(op: int, body: bytes) -> Request:
@@ -281,7 +282,7 @@ def decode_request(op: int, body: bytes) -> Request:
 
 
 def hello_body(pid: int) -> bytes:
-    return _U32.pack(pid & 0xFFFFFFFF)
+    return U32.pack(pid & 0xFFFFFFFF)
 
 
 def hello_reply(hello: Hello) -> bytes:
@@ -296,7 +297,7 @@ def parse_hello(body: bytes) -> Hello:
 
 
 def open_write_body(keys: tuple[str, ...], nbytes: int) -> bytes:
-    return _U64.pack(nbytes) + encode_keys(keys)
+    return U64.pack(nbytes) + encode_keys(keys)
 
 
 def open_write_context_body(keys: tuple[str, ...], nbytes: int, context: tuple[str, ...]) -> bytes:
@@ -313,11 +314,11 @@ def finish_write_body(handle: int, ok: np.ndarray) -> bytes:
 
 
 def handle_body(handle: int) -> bytes:
-    return _U64.pack(handle)
+    return U64.pack(handle)
 
 
 def flags_reply(found: np.ndarray) -> bytes:
-    return _U32.pack(len(found)) + np.asarray(found, dtype=np.uint8).tobytes()
+    return U32.pack(len(found)) + np.asarray(found, dtype=np.uint8).tobytes()
 
 
 def parse_flags(body: bytes, n: int) -> np.ndarray:
@@ -354,7 +355,7 @@ def parse_session(body: bytes, n: int) -> tuple[int, np.ndarray, np.ndarray, np.
 
 def stats_reply(values: dict[str, int]) -> bytes:
     nums = np.array([values[name] for name in STATS_FIELDS], dtype="<u8")
-    return _U32.pack(len(nums)) + nums.tobytes()
+    return U32.pack(len(nums)) + nums.tobytes()
 
 
 def parse_stats(body: bytes) -> dict[str, int]:

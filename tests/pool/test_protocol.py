@@ -16,6 +16,7 @@ import kvflow
 from kvflow.errors import ProtocolError
 from kvflow.pool import protocol as p
 from kvflow.pool.protocol import MAX_BODY, MAX_KEY_BYTES, MAX_KEYS, Op
+from kvflow.pool.service import Connection, Reply
 from tests.support.objects import OBJ_BYTES, content, read_objects, write_objects
 from tests.support.pools import ServedSharedStore, dispose
 from tests.support.waits import wait_until
@@ -491,15 +492,15 @@ def test_fuzz_live_server_survives_arbitrary_frames() -> None:
 
 
 def served_ops(store: ServedSharedStore, monkeypatch: pytest.MonkeyPatch) -> list[Op]:
-    """Record the op of every request the store's server applies from now on."""
+    """Record the op of every request the store's server handles from now on."""
     ops: list[Op] = []
-    handle = store.server.handle
+    handle = store.server.service.handle
 
-    def recording(client: object, request: p.Request) -> tuple[p.Code, bytes]:
-        ops.append(request.op)
-        return handle(client, request)  # type: ignore[arg-type]
+    def recording(conn: Connection, op: int, body: bytes) -> Reply:
+        ops.append(Op(op))
+        return handle(conn, op, body)
 
-    monkeypatch.setattr(store.server, "handle", recording)
+    monkeypatch.setattr(store.server.service, "handle", recording)
     return ops
 
 

@@ -586,7 +586,7 @@ def test_a_reply_is_read_against_the_connection_it_came_on() -> None:
     it; the new pool must not be left with an orphaned pending write."""
     store = ServedSharedStore(1 << 20)
     try:
-        real_connected = store._connected
+        real_connected = store._link.connected
         replaced: list[bool] = []
 
         def connected_then_restart() -> PoolConnection:
@@ -598,12 +598,12 @@ def test_a_reply_is_read_against_the_connection_it_came_on() -> None:
                 replaced.append(True)
             return conn
 
-        store._connected = connected_then_restart  # type: ignore[method-assign]
+        store._link.connected = connected_then_restart  # type: ignore[method-assign]
         try:
             session = store.open_write(["k"], OBJ_BYTES)
         except kvflow.StoreUnavailableError:
             session = None
-        store._connected = real_connected  # type: ignore[method-assign]
+        store._link.connected = real_connected  # type: ignore[method-assign]
         if session is None:  # the next call reconnects and works
             session = store.open_write(["k"], OBJ_BYTES)
         assert replaced
@@ -681,7 +681,7 @@ def test_copies_for_a_lost_connection_fail_after_a_reconnect(sock_dir: str) -> N
             store.finish_write(writing, np.ones(1, dtype=bool))
         with pytest.raises(kvflow.StoreUnavailableError):
             store.close_read(reading)
-        assert store._past == []  # no session refers to the old range: it is freed
+        assert store._link.past == []  # no session refers to the old range: it is freed
     finally:
         store.close()
         if second is not None:
