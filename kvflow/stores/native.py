@@ -10,6 +10,8 @@ that each store's module holds only what its engine does differently:
   failure instead of raising (releasing sessions: the engine's own leases end them anyway);
 - registered local regions counted per span (``register`` / ``unregister``): the engine hears
   of a span once, however many layouts share it;
+- ``batch_copy``'s checks (the arrays, the direction, local ranges inside registered memory,
+  the store open) before the engine's copy (``_batch_copy``), and an empty copy answered;
 - the open sessions, the keys being written here (never allocated twice) and the keys read here
   (read sessions sharing one key share its native session or lease, counted);
 - the counters (a dataclass of the store's own) and their snapshot, ``stats()``.
@@ -32,7 +34,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import numpy as np
 
 from kvflow.errors import ClosedError, InvalidArgumentError, StoreError
-from kvflow.stores.base import Store
+from kvflow.stores.base import Direction, Store
 from kvflow.stores.calls import BoundedCalls
 from kvflow.stores.regions import LocalRegions
 
@@ -102,6 +104,13 @@ class NativeStore(Store, Generic[StatsT, SessionT]):
         """Unregister a span (its last registration went); a refusal is logged."""
 
     @abstractmethod
+    def _batch_copy(
+        self, pool_addrs: np.ndarray, local_addrs: np.ndarray, sizes: np.ndarray, writing: bool
+    ) -> np.ndarray:
+        """``batch_copy`` of at least one range, its arguments checked (``writing``: to the
+        pool); the indexes of the ranges that failed."""
+
+    @abstractmethod
     def _count_meta(self) -> None:
         """Count one metadata call (holds ``_lock``)."""
 
@@ -132,6 +141,21 @@ class NativeStore(Store, Generic[StatsT, SessionT]):
                     self._unregister_span(*span)
             self._regions = LocalRegions()
             self._regions.register(list(self._registered))
+
+    # -- copies -------------------------------------------------------------------------------
+
+    def batch_copy(
+        self,
+        pool_addrs: np.ndarray,
+        local_addrs: np.ndarray,
+        sizes: np.ndarray,
+        direction: Direction,
+    ) -> np.ndarray:
+        self._regions.check_call(pool_addrs, local_addrs, sizes, direction)
+        self._check_open()
+        if pool_addrs.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        return self._batch_copy(pool_addrs, local_addrs, sizes, direction == Direction.TO_POOL)
 
     # -- counters -----------------------------------------------------------------------------
 

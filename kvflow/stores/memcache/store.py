@@ -18,14 +18,16 @@ readable only after ``batch_write_finish`` (a failed result removes it); a proce
 read lease per key (``batch_add_lease`` again renews it, one ``batch_remove_lease`` ends it), so
 read sessions sharing a key share the lease (reference counts). A copy only ever touches a GVA
 range this store holds: a granted write, or an object under a read lease that has not run past
-``read_lease_ttl_ms`` (checked before and after the copy); anything else is refused.
+``read_lease_ttl_ms`` (checked before and after the copy; ``kvflow.stores.memcache.held``);
+anything else is refused.
 
 Where the binding has no ``batch_write_finish`` (memcache before 1.3), objects are readable
 from allocation: commits need no call, aborts remove the object (``remove_batch``), other
 processes may see an object before all its layers are in, and ``stats().write_finish_api`` is
-false (a warning says so). Native codes are translated here: a key already stored is EXISTS,
-no memory is NO_SPACE, other refusals fail their chunks; a call that fails for every key, a
-short answer, or a call past ``timeout_s`` raises StoreUnavailableError.
+false (a warning says so). Native codes are translated at the store (the meta service's in
+``kvflow.stores.memcache.meta``): a key already stored is EXISTS, no memory is NO_SPACE, other
+refusals fail their chunks; a call that fails for every key, a short answer, or a call past
+``timeout_s`` raises StoreUnavailableError.
 """
 
 from __future__ import annotations
@@ -35,69 +37,31 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvflow.errors import InvalidArgumentError, StoreError, StoreUnavailableError
-from kvflow.stores.base import Direction, ReadSession, WriteSession, WriteStatus
+from kvflow.errors import InvalidArgumentError, StoreError
+from kvflow.stores.base import ReadSession, WriteSession, WriteStatus
 from kvflow.stores.memcache.client import (
-    DOWN,
     MAX_KEY_BYTES,
-    MISSING,
-    READABLE,
-    WRITE_FAIL,
-    WRITE_OK,
-    alloc_results,
     copy_directions,
     copy_in_batches,
-    key_info,
     native_code,
     start_client,
 )
 from kvflow.stores.memcache.config import MemcacheConfig
-from kvflow.stores.native import NativeStore, check_nbytes, check_ok_flags
-from kvflow.stores.regions import HeldSpans
+from kvflow.stores.memcache.held import HeldRanges, Session, lease_deadline
+from kvflow.stores.memcache.meta import MemcacheMeta
+from kvflow.stores.memcache.stats import MemcacheStats
+from kvflow.stores.native import check_nbytes, check_ok_flags
 
 __all__ = ["MemcacheStats", "MemcacheStore"]
 
 log = logging.getLogger("kvflow")
-_LEASE_MARGIN = 0.1  # a read lease counts as lost this share of its time before memcache's
 
 
-@dataclass
-class MemcacheStats:
-    """What the store did, counted (not assumed)."""
-
-    write_finish_api: bool = True
-    meta_calls: int = 0  # calls that talk to the meta service
-    copy_calls: int = 0  # memcache batch_copy calls
-    copy_failures: int = 0  # of those, the ones that returned non-zero or raised
-    no_space: int = 0
-    exists: int = 0
-    failed_keys: int = 0
-    lease_failures: int = 0  # keys batch_add_lease or batch_remove_lease refused
-    expired_leases: int = 0  # ranges failed because their read lease ran past its limit
-    unavailable: int = 0  # metadata calls that found memcache unreachable
-    open_sessions: int = 0
-    pending_writes: int = 0  # objects this store has allocated and not finished
-    leases: int = 0  # objects held by this store's read sessions (one per session and key)
-    codes: dict[int, int] = field(default_factory=dict)  # native code -> times seen
-
-
-@dataclass(eq=False)
-class _Session:
-    keys: tuple[str, ...]
-    held: np.ndarray  # positions of the granted (write) or found (read) keys
-    writing: bool
-
-    @property
-    def objects(self) -> int:
-        return int(self.held.size)
-
-
-class MemcacheStore(NativeStore[MemcacheStats, _Session]):
+class MemcacheStore(MemcacheMeta):
     """A Store on Ascend memcache. ``MemcacheStore(meta_service_url="tcp://10.0.0.1:5000",
     config_store_url="tcp://10.0.0.1:6000", device_id=0)``, or
     ``MemcacheStore(MemcacheConfig.from_env())``.
@@ -128,8 +92,7 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
         self._to_pool, self._from_pool = copy_directions(cfg.local_memory)
         self.device_memory = frozenset({"cpu" if cfg.local_memory == "host" else "npu"})
         self._cond = threading.Condition(self._lock)  # copies in flight
-        self._write_spans = HeldSpans()
-        self._read_spans = HeldSpans()
+        self._held = HeldRanges()
         self._in_flight = 0
         if not self._stats.write_finish_api:
             log.warning(
@@ -164,7 +127,7 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
             granted = np.flatnonzero(status == WriteStatus.GRANTED)
             self._writing.update(keys[i] for i in granted)
             starts = addrs[granted]
-            handle = self._open(_Session(keys, granted, True), starts, starts + nbytes, math.inf)
+            handle = self._open(Session(keys, granted, True), starts, starts + nbytes, math.inf)
         return WriteSession(handle, keys, addrs, status)
 
     def finish_write(self, session: WriteSession, ok: np.ndarray) -> None:
@@ -196,10 +159,10 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
                 info = where.get(key)
                 if info is not None:
                     found[i], addrs[i], ends[i] = True, info[0], info[0] + info[1]
-            deadline = started + self.config.read_lease_ttl_ms / 1000 * (1 - _LEASE_MARGIN)
+            deadline = lease_deadline(started, self.config.read_lease_ttl_ms)
             held = np.flatnonzero(found)
             self._read_more(keys[i] for i in held)
-            handle = self._open(_Session(keys, held, False), addrs[held], ends[held], deadline)
+            handle = self._open(Session(keys, held, False), addrs[held], ends[held], deadline)
         return ReadSession(handle, keys, addrs, found)
 
     def close_read(self, session: ReadSession) -> None:
@@ -209,20 +172,17 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
                 return
             self._end_leases(self._read_less(s.keys[i] for i in s.held))
 
-    def batch_copy(
-        self,
-        pool_addrs: np.ndarray,
-        local_addrs: np.ndarray,
-        sizes: np.ndarray,
-        direction: Direction,
+    def _batch_copy(
+        self, pool_addrs: np.ndarray, local_addrs: np.ndarray, sizes: np.ndarray, writing: bool
     ) -> np.ndarray:
-        self._regions.check_call(pool_addrs, local_addrs, sizes, direction)
-        reading = direction == Direction.FROM_POOL
+        """A layer's ranges, each inside an object this store holds (``held``), in memcache
+        calls of bounded size; read leases checked again once the bytes are in
+        (``batch_copy``'s checks are NativeStore's)."""
+        reading = not writing
         with self._cond:
-            self._check_open()
-            if pool_addrs.size == 0:
-                return np.zeros(0, dtype=np.int64)
-            failed = ~self._held(pool_addrs, sizes, reading, strict=True)
+            self._check_open()  # again under the lock: close() waits for the copies it counts
+            now = time.monotonic()
+            failed = ~self._held.check(pool_addrs, sizes, reading, now, strict=True)
             self._stats.expired_leases += int(failed.sum())
             self._in_flight += 1
         try:
@@ -236,7 +196,8 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
                 self._cond.notify_all()
         if reading:  # the leases must still hold now that the bytes are in
             with self._cond:
-                lost = ~failed & ~self._held(pool_addrs, sizes, True, strict=False)
+                now = time.monotonic()
+                lost = ~failed & ~self._held.check(pool_addrs, sizes, True, now, strict=False)
                 self._stats.expired_leases += int(lost.sum())
             failed |= lost
         result: np.ndarray = np.flatnonzero(failed)
@@ -252,7 +213,7 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
                 self._closed = True
                 self._cond.wait_for(lambda: self._in_flight == 0, timeout=self.config.timeout_s)
                 self._sessions.clear()
-                self._write_spans, self._read_spans = HeldSpans(), HeldSpans()
+                self._held.clear()
             writes, reads = sorted(self._writing), sorted(self._reading)
             self._writing.clear()
             self._reading.clear()
@@ -287,121 +248,8 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
     def _count_meta(self) -> None:
         self._stats.meta_calls += 1
 
-    def _forget(self, handle: int, session: _Session) -> None:
-        (self._write_spans if session.writing else self._read_spans).remove(handle)
-
-    # -- metadata -----------------------------------------------------------------------------
-
-    def _allocate(self, keys: list[str], nbytes: int) -> tuple[np.ndarray, np.ndarray]:
-        """Status and GVA per key: present keys EXISTS, the others allocated where memcache
-        gives the memory."""
-        exist = self._codes("batch_is_exist", keys)
-        if (exist < 0).all():
-            self._down("batch_is_exist", exist)
-        status = np.where(exist == 1, WriteStatus.EXISTS, WriteStatus.FAILED).astype(np.int8)
-        addrs = np.zeros(len(keys), dtype=np.int64)
-        absent = np.flatnonzero(exist == 0)
-        if absent.size:
-            cfg = self.config
-            names = [keys[i] for i in absent]
-            sizes = [nbytes] * len(names)
-            extra = cfg.media_code, cfg.write_lease_ttl_ms
-            got, gvas, codes = alloc_results(self._answer("batch_alloc", names, sizes, *extra))
-            status[absent], addrs[absent] = got, gvas
-            unknown = absent[got == WriteStatus.FAILED]
-            if unknown.size:  # memcache answers 0 without a reason: was it another writer?
-                again = self._codes("batch_is_exist", [keys[i] for i in unknown], quiet=True)
-                status[unknown[again == 1]] = WriteStatus.EXISTS
-            self._count_codes(codes[(gvas == 0) & (codes != 0)].tolist())
-        with self._lock:
-            self._stats.exists += int((status == WriteStatus.EXISTS).sum())
-            self._stats.no_space += int((status == WriteStatus.NO_SPACE).sum())
-            self._stats.failed_keys += int((status == WriteStatus.FAILED).sum())
-        return status, addrs
-
-    def _finish(self, keys: list[str], commit: np.ndarray) -> int:
-        """Commit or abort allocated keys; returns how many commits memcache refused."""
-        if not self._stats.write_finish_api:
-            aborted = [k for k, c in zip(keys, commit.tolist(), strict=True) if not c]
-            if aborted:
-                self._meta("remove_batch", aborted, quiet=True)
-            return 0
-        results = [WRITE_OK if c else WRITE_FAIL for c in commit.tolist()]
-        codes = self._codes("batch_write_finish", keys, results, quiet=not commit.any())
-        refused = codes != 0
-        self._count_codes(codes[refused].tolist())
-        if (refused & ~commit).any():
-            shown = codes[refused & ~commit][:4].tolist()
-            log.warning("kvflow: memcache refused to abort objects (codes %s)", shown)
-        return int((refused & commit).sum())
-
-    def _lease(self, keys: list[str]) -> dict[str, tuple[int, int]]:
-        """Lease ``keys`` and resolve the leased ones: key -> (GVA, size) for every readable
-        object. The lease comes first: an object resolved without one could move or go."""
-        codes = self._codes("batch_add_lease", keys, self.config.read_lease_ttl_ms)
-        if np.isin(codes, DOWN).all():
-            self._down("batch_add_lease", codes)
-        leased = [k for k, c in zip(keys, codes.tolist(), strict=True) if c == 0]
-        refused = codes[(codes != 0) & ~np.isin(codes, MISSING)]
-        with self._lock:
-            self._stats.lease_failures += int(refused.size)
-        self._count_codes(refused.tolist())
-        try:
-            infos = self._key_info(leased) if leased else []
-        except BaseException:
-            self._end_leases([k for k in leased if k not in self._reading])
-            raise
-        where = {k: i for k, i in zip(leased, infos, strict=True) if i is not None}
-        self._end_leases([k for k in leased if k not in where and k not in self._reading])
-        return where
-
-    def _key_info(self, keys: list[str]) -> list[tuple[int, int] | None]:
-        """Per key, the (GVA, size) of a readable object, or None."""
-        return [key_info(info) for info in self._answer("batch_get_key_info", keys, READABLE)]
-
-    def _end_leases(self, keys: list[str]) -> None:
-        if not keys:
-            return
-        rc = self._meta("batch_remove_lease", keys, quiet=True)
-        if rc != 0:  # memcache ends the lease itself when its time is up
-            with self._lock:
-                self._stats.lease_failures += len(keys)
-            log.warning("kvflow: memcache batch_remove_lease of %d keys: %r", len(keys), rc)
-
-    def _answer(self, name: str, keys: list[str], *extra: Any) -> list[Any]:
-        """A per-key answer: one entry per key, or StoreUnavailableError."""
-        got = self._meta(name, keys, *extra)
-        answer = list(got) if isinstance(got, (list, tuple)) else []
-        if len(answer) != len(keys):
-            self._unavailable()
-            raise StoreUnavailableError(
-                f"memcache {name} answered {len(answer)} results for {len(keys)} keys"
-            )
-        return answer
-
-    def _codes(self, name: str, keys: list[str], *extra: Any, quiet: bool = False) -> np.ndarray:
-        """Per-key result codes; ``quiet``: a failed call answers -1 for every key."""
-        try:
-            got = self._answer(name, keys, *extra)
-            return np.array([native_code(c) for c in got], dtype=np.int64)
-        except (StoreError, TypeError, ValueError) as exc:
-            if not quiet:
-                raise
-            log.warning("kvflow: memcache %s failed: %s", name, exc)
-            return np.full(len(keys), -1, dtype=np.int64)
-
-    def _quiet(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            rc = self._call(name, fn, *args)
-        except StoreError as exc:
-            rc = exc
-        if rc != 0:
-            log.warning("kvflow: memcache %s: %r", name, rc)
-
-    def _down(self, name: str, codes: np.ndarray) -> None:
-        self._count_codes(codes.tolist())
-        self._unavailable()
-        raise StoreUnavailableError(f"memcache {name} failed for every key", int(codes[0]))
+    def _forget(self, handle: int, session: Session) -> None:
+        self._held.remove(handle, session.writing)
 
     # -- sessions and copies ------------------------------------------------------------------
 
@@ -413,28 +261,11 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
                 why = f"memcache keys are strings of at most {MAX_KEY_BYTES} bytes with key_prefix"
                 raise InvalidArgumentError("keys", key, why)
 
-    def _open(self, s: _Session, starts: np.ndarray, ends: np.ndarray, deadline: float) -> int:
+    def _open(self, s: Session, starts: np.ndarray, ends: np.ndarray, deadline: float) -> int:
         with self._lock:
             handle = self._add_session(s)
-            spans = self._write_spans if s.writing else self._read_spans
-            spans.add(handle, starts, ends, deadline, None)
+            self._held.add(handle, s.writing, starts, ends, deadline)
         return handle
-
-    def _held(
-        self, pool: np.ndarray, sizes: np.ndarray, reading: bool, *, strict: bool
-    ) -> np.ndarray:
-        """Per range: inside an object this store writes (or, reading, holds under a live lease).
-        ``strict``: a range inside no object this store holds at all is refused."""
-        live: np.ndarray = self._write_spans.cover(pool, sizes, None)[0]
-        inside = live
-        if reading:
-            inside = live | self._read_spans.cover(pool, sizes, None)[0]
-            live = live | self._read_spans.cover(pool, sizes, time.monotonic())[0]
-        if strict and not inside.all():
-            bad = hex(int(pool[~inside][0]))
-            what = "holds under a read lease" if reading else "is writing"
-            raise InvalidArgumentError("pool_addrs", bad, f"not inside an object this store {what}")
-        return live
 
     def _copy(
         self, pool: np.ndarray, local: np.ndarray, sizes: np.ndarray, reading: bool
@@ -451,3 +282,12 @@ class MemcacheStore(NativeStore[MemcacheStats, _Session]):
         if bad:
             log.warning("kvflow: %d memcache batch_copy calls failed (%s)", len(bad), bad[:4])
         return ok
+
+    def _quiet(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
+        """A client call whose failure (an error, or an answer other than 0) is only logged."""
+        try:
+            rc = self._call(name, fn, *args)
+        except StoreError as exc:
+            rc = exc
+        if rc != 0:
+            log.warning("kvflow: memcache %s: %r", name, rc)

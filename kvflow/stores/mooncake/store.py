@@ -22,9 +22,10 @@ Without the session calls (older Mooncake), a save puts whole objects at ``finis
 load makes one ``get_into_ranges`` call per layer (``kvflow.stores.mooncake.legacy``);
 ``stats().sessions_api`` says which mode runs.
 
-Errors are translated here: a missing key is a miss; "no space" skips the save of that chunk
-(counted); a lease conflict is retried once, then fails the chunk; anything else fails the
-chunks involved, with Mooncake's code in the log. When calls fail with RPC errors (or
+Errors are translated at the store (the master's codes in ``kvflow.stores.mooncake.sessions``):
+a missing key is a miss; "no space" skips the save of that chunk (counted); a lease conflict is
+retried once, then fails the chunk; anything else fails the chunks involved, with Mooncake's
+code in the log. When calls fail with RPC errors (or
 ``health_check`` says the master is unreachable), metadata calls raise StoreUnavailableError:
 lookups miss and saves are skipped; Mooncake's client reconnects by itself when the master is
 back. Ranges already resolved keep working while the master is away when the bytes' owner is
@@ -36,68 +37,37 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvflow.errors import InvalidArgumentError, StoreError, StoreUnavailableError
-from kvflow.stores.base import Direction, ReadSession, WriteSession, WriteStatus
-from kvflow.stores.copyloop import copy_ranges
+from kvflow.copying.host import copy_ranges
+from kvflow.errors import InvalidArgumentError, StoreError
+from kvflow.stores.base import ReadSession, WriteSession, WriteStatus
 from kvflow.stores.mooncake.client import (
     EXISTS,
-    HAS_LEASE,
-    NO_SPACE,
     NOT_FOUND,
     NOT_READY,
     OK,
-    RPC_FAIL,
     SESSION_CALLS,
-    in_segment,
     mooncake_module,
     own_endpoint,
     setup,
     write_status,
 )
 from kvflow.stores.mooncake.config import MooncakeConfig
-from kvflow.stores.mooncake.legacy import get_ranges, stage, whole_objects
-from kvflow.stores.mooncake.slots import (
-    MAX_OBJECT_BYTES,
-    VIRTUAL_TAG,
-    Session,
-    SlotTable,
-    address,
-    decode,
-    plan_copy,
-)
-from kvflow.stores.native import BINDING_ERRORS, NativeStore, check_nbytes, check_ok_flags
+from kvflow.stores.mooncake.legacy import get_ranges, stage
+from kvflow.stores.mooncake.sessions import MooncakeSessions
+from kvflow.stores.mooncake.slots import MAX_OBJECT_BYTES, VIRTUAL_TAG, SlotTable, decode, plan_copy
+from kvflow.stores.mooncake.stats import MooncakeStats
+from kvflow.stores.native import BINDING_ERRORS, check_nbytes, check_ok_flags
 
 __all__ = ["VIRTUAL_TAG", "MooncakeStats", "MooncakeStore"]
 
 log = logging.getLogger("kvflow")
 
 
-@dataclass
-class MooncakeStats:
-    """What the store did, counted (not assumed)."""
-
-    sessions_api: bool = True
-    master_calls: int = 0  # calls that talk to the master (metadata)
-    copy_calls: int = 0  # ranged transfer calls (no master round trip in session mode)
-    local_copies: int = 0  # batch_copy calls whose ranges were all read from the own segment
-    local_endpoint: str = ""  # this process's segment, when local reads are on and it has one
-    no_space: int = 0
-    exists: int = 0
-    lease_conflicts: int = 0
-    failed_keys: int = 0
-    unavailable: int = 0  # metadata calls refused because the master was unreachable
-    open_sessions: int = 0  # read and write sessions open in this store now
-    pending_writes: int = 0  # objects this store is writing (put sessions open)
-    leases: int = 0  # objects held by this store's read sessions (one per session and key)
-    codes: dict[int, int] = field(default_factory=dict)  # native error code -> times seen
-
-
-class MooncakeStore(NativeStore[MooncakeStats, Session]):
+class MooncakeStore(MooncakeSessions):
     """A Store on Mooncake Store. ``MooncakeStore(master_server_address="10.0.0.1:50051")``, or
     ``MooncakeStore(MooncakeConfig.from_env())``.
 
@@ -211,19 +181,12 @@ class MooncakeStore(NativeStore[MooncakeStats, Session]):
             if ended:
                 self._meta("batch_get_session_end", ended, quiet=True)
 
-    def batch_copy(
-        self,
-        pool_addrs: np.ndarray,
-        local_addrs: np.ndarray,
-        sizes: np.ndarray,
-        direction: Direction,
+    def _batch_copy(
+        self, pool_addrs: np.ndarray, local_addrs: np.ndarray, sizes: np.ndarray, writing: bool
     ) -> np.ndarray:
-        self._regions.check_call(pool_addrs, local_addrs, sizes, direction)
-        self._check_open()
-        if pool_addrs.size == 0:
-            return np.zeros(0, dtype=np.int64)
+        """A layer's ranges: those of objects in the own segment read straight from it (while
+        they may be), the others in one ranged call (``batch_copy``'s checks are NativeStore's)."""
         slots, offsets = decode(pool_addrs, sizes)
-        writing = direction == Direction.TO_POOL
         now = time.monotonic()
         with self._lock:  # a slot of a finished session (or the other direction) fails
             held, local = self._slots.resolve(np.unique(slots).tolist(), writing, now)
@@ -297,124 +260,7 @@ class MooncakeStore(NativeStore[MooncakeStats, Session]):
     def _count_meta(self) -> None:
         self._stats.master_calls += 1
 
-    def _forget(self, handle: int, session: Session) -> None:
-        for slot in session.slots.values():
-            self._slots.release(slot)
-
-    # -- metadata -----------------------------------------------------------------------------
-
-    def _start_puts(self, keys: list[str], sizes: list[int]) -> np.ndarray:
-        codes = np.asarray(
-            self._meta("batch_put_session_start", keys, sizes, self._replicate), dtype=np.int64
-        )
-        conflict = np.flatnonzero(codes == HAS_LEASE)
-        if conflict.size:  # another reader holds a lease on an old copy: one retry
-            with self._lock:
-                self._stats.lease_conflicts += int(conflict.size)
-            time.sleep(0.01)
-            again = self._meta(
-                "batch_put_session_start",
-                [keys[i] for i in conflict],
-                [sizes[i] for i in conflict],
-                self._replicate,
-            )
-            codes[conflict] = np.asarray(again, dtype=np.int64)
-        if (codes < 0).any():
-            self._unavailable_if_down(codes, "open_write", missing=(EXISTS, NO_SPACE, HAS_LEASE))
-        return codes
-
-    def _start_gets(self, keys: tuple[str, ...]) -> np.ndarray:
-        """Per key: OK if readable now, else Mooncake's code. Mooncake keeps one get session
-        per key and client, so keys this store already reads share it (reference counts)."""
-        if not keys:
-            return np.zeros(0, dtype=np.int64)
-        if not self._stats.sessions_api:
-            exist = np.asarray(self._meta("batch_is_exist", list(keys)), dtype=np.int64)
-            return np.where(exist == 1, OK, np.where(exist == 0, NOT_FOUND, exist))
-        new = [k for k in dict.fromkeys(keys) if k not in self._reading]
-        started = self._meta("batch_get_session_start", new) if new else []
-        code_of = dict(zip(new, (int(c) for c in started), strict=True))
-        return np.array([code_of.get(k, OK) for k in keys], dtype=np.int64)
-
-    def _commit(self, s: Session, positions: list[int]) -> np.ndarray:
-        keys = [s.keys[p] for p in positions]
-        if self._stats.sessions_api:
-            return np.asarray(self._meta("batch_put_session_end", keys), dtype=np.int64)
-        codes = np.full(len(keys), -1, dtype=np.int64)
-        put, ptrs, sizes = whole_objects([s.pending.get(p, []) for p in positions], s.nbytes)
-        if put:
-            got = self._meta(
-                "batch_put_from_multi_buffers",
-                [keys[i] for i in put],
-                ptrs,
-                sizes,
-                self._replicate,
-            )
-            codes[put] = np.asarray(got, dtype=np.int64)
-        return codes
-
-    def _map_local(self, handle: int) -> None:
-        """Note which objects of a read session lie in the own segment, and where. The query
-        is a master call that also renews the objects' leases; a failure only means the
-        session's copies go through the transfer engine."""
-        with self._lock:
-            s = self._sessions[handle]
-            keys = {pos: s.keys[pos] for pos in s.slots}
-        until = time.monotonic() + self.config.local_read_window_s
-        try:
-            replicas = self._meta("batch_get_replica_desc", list(keys.values()))
-        except StoreError as exc:
-            log.debug("kvflow: no local reads for this session: %s", exc)
-            return
-        prefix = self.config.key_prefix
-        with self._lock:
-            for pos, key in keys.items():
-                where = in_segment(replicas.get(prefix + key, ()), self._stats.local_endpoint)
-                if where is not None and pos in s.slots and handle in self._sessions:
-                    self._slots.place(s.slots[pos], where, until)
-
-    def _count(self, codes: np.ndarray, *, writing: bool) -> None:
-        expected = (OK, NO_SPACE, EXISTS) if writing else (OK, NOT_FOUND, NOT_READY)
-        odd = codes[~np.isin(codes, expected)].tolist()
-        with self._lock:
-            if writing:
-                self._stats.no_space += int((codes == NO_SPACE).sum())
-                self._stats.exists += int((codes == EXISTS).sum())
-            self._stats.failed_keys += len(odd)
-        self._count_codes(odd)
-
-    def _unavailable_if_down(
-        self, codes: np.ndarray, what: str, missing: tuple[int, ...] = ()
-    ) -> None:
-        """Raise StoreUnavailableError when errors mean the master is away, not a bad key."""
-        errors = codes[(codes < 0) & ~np.isin(codes, missing)]
-        if errors.size == 0:
-            return
-        down = bool((errors == RPC_FAIL).any())
-        if not down:
-            health = self._call("health_check", self._client.health_check)
-            down = health != OK
-        if down:
-            self._unavailable()
-            raise StoreUnavailableError(
-                f"Mooncake {what}: the master is unreachable", int(errors[0])
-            )
-
-    # -- sessions and copies ------------------------------------------------------------------
-
-    def _open(
-        self, keys: tuple[str, ...], granted: np.ndarray, writing: bool, nbytes: int
-    ) -> tuple[int, np.ndarray]:
-        """Register a session; slots (and virtual addresses) for its granted keys."""
-        addrs = np.zeros(len(keys), dtype=np.int64)
-        session = Session(keys, {}, writing, nbytes)
-        with self._lock:
-            for pos in np.flatnonzero(granted).tolist():
-                slot = self._slots.take(keys[pos], writing)
-                session.slots[pos] = slot
-                addrs[pos] = address(slot)
-            handle = self._add_session(session)
-        return handle, addrs
+    # -- copies -------------------------------------------------------------------------------
 
     def _transfer(
         self,
