@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvflow.config import EngineConfig
+from kvflow.copying.host import stream_min_bytes
 from kvflow.devices import DeviceOps, device_kind, device_ops
 from kvflow.errors import ClosedError, KVFlowError, LayoutError
 from kvflow.keys import KeySpace, chunk_hashes, token_array
@@ -38,7 +39,6 @@ from kvflow.stores.base import (
     WriteSession,
     WriteStatus,
 )
-from kvflow.stores.copyloop import stream_min_bytes
 
 __all__ = ["TransferEngine"]
 

@@ -11,6 +11,8 @@ Cancelling a task in ``wait_layer``, ``layer_written`` or ``wait`` closes the ha
 batch going. A copy still running in a thread keeps its lease or slot until it returns, so no
 slot is reused under a straggling copy. For a load, that also means: blocks whose copy timed
 out may still be written until ``done()``; do not hand them to another request before then.
+``aclose(wait=True)`` stops the batch and waits for that (at most ``stop_grace``), and says
+whether it came.
 """
 
 from __future__ import annotations

@@ -31,18 +31,28 @@ from kvflow.pipeline.waits import future_within
 from kvflow.stats import EngineStats
 from kvflow.stores.base import Store
 
-__all__ = ["STRAGGLER_GRACE", "Runtime"]
+__all__ = ["STRAGGLER_GRACE", "Runtime", "stop_grace"]
 
 log = logging.getLogger("kvflow")
 T = TypeVar("T")
 
-STRAGGLER_GRACE = 10.0  # x copy_timeout_s: how long a late copy may hold its slot or lease
+STRAGGLER_GRACE = 10.0  # x copy_timeout_s: how long a late copy may run on (see stop_grace)
+
+
+def stop_grace(config: EngineConfig) -> float:
+    """How long a stopped batch may take to end: long enough for a copy that ran past
+    ``copy_timeout_s`` to return (``STRAGGLER_GRACE`` times that) and for the store call that
+    then ends the batch's session (``op_timeout_s``). The one bound on stragglers: a batch waits
+    this long for a straggling copy before it gives up on it (its slots or leases then stay
+    held for good), and callers wait this long for a stopped batch to end (``aclose`` or
+    ``close`` with ``wait=True``, the engine's ``close``)."""
+    return STRAGGLER_GRACE * config.copy_timeout_s + config.op_timeout_s
 
 
 class Batch(Protocol):
     """An open batch, as the runtime sees it (BatchTransfer)."""
 
-    async def aclose(self) -> None: ...
+    async def aclose(self, wait: bool = False) -> bool: ...
 
 
 class Runtime:
@@ -142,8 +152,7 @@ class Runtime:
             await batch.aclose()
         others = self.tasks - {asyncio.current_task()}
         if others:  # releases waiting for straggling copies, bounded by their grace
-            grace = STRAGGLER_GRACE * self.config.copy_timeout_s + self.config.op_timeout_s
-            await asyncio.wait(others, timeout=grace)
+            await asyncio.wait(others, timeout=stop_grace(self.config))
         stuck = self.copier.in_flight > 0 or any(not t.done() for t in others)
         if stuck:
             log.error("kvflow: closing with copies still running; their threads are left")

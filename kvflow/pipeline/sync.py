@@ -19,8 +19,8 @@ from typing import Any, Generic, TypeVar
 
 from kvflow import trace
 from kvflow._validate import check_timeout
-from kvflow.bounded import pin_current_thread
 from kvflow.config import EngineConfig
+from kvflow.cpus import pin_current_thread
 from kvflow.devices import DeviceOps
 from kvflow.errors import ClosedError, KVFlowError, TransferTimeoutError
 from kvflow.keys import KeySpace
@@ -28,7 +28,7 @@ from kvflow.layout import KVLayout
 from kvflow.pipeline.batch import BlockRequest
 from kvflow.pipeline.engine import TransferEngine
 from kvflow.pipeline.handles import LoadHandle, SaveHandle
-from kvflow.pipeline.runtime import STRAGGLER_GRACE
+from kvflow.pipeline.runtime import stop_grace
 from kvflow.pipeline.transfer import BatchTransfer
 from kvflow.results import TransferResult
 from kvflow.stats import EngineStats
@@ -150,7 +150,7 @@ class SyncTransferEngine:
             if self._closed:
                 return
             cfg = self.engine.config
-            limit = STRAGGLER_GRACE * cfg.copy_timeout_s + 2 * cfg.op_timeout_s
+            limit = stop_grace(cfg) + cfg.op_timeout_s  # each open batch stopped, then ended
             try:
                 self._call(self.engine.close(), limit, "close")
             finally:
@@ -249,18 +249,40 @@ class _Opening(Generic[H]):
         """Every layer is in the batch's hands, as this caller has seen it."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Stop the batch; its leases and slots are released. Does not wait for a session
-        still opening: that one is released as soon as it opens (``done()`` says when)."""
+    def close(self, wait: bool = False) -> bool:
+        """Stop the batch; its leases and slots are released. Returns whether the batch has
+        ended: none of its copies runs any more and its store session is over (``done()``);
+        an open that failed has nothing to end (True).
+
+        Without ``wait``, does not wait for a session still opening (that one is released as
+        soon as it opens: ``done()`` says when) nor for a copy past its timeout, so False may
+        mean "not yet". With ``wait``, blocks until the batch has ended, the session's opening
+        included, at most ``stop_grace`` of the engine's config in all (``STRAGGLER_GRACE``
+        times ``copy_timeout_s``, plus ``op_timeout_s``); False then means a copy still runs
+        past that grace and may yet write the blocks it loads into (or read those it saves
+        from): they must not be handed to anyone else. The wait is the caller's; the engine's
+        loop goes on meanwhile."""
+        grace = stop_grace(self._owner.engine.config)
+        start = time.monotonic()
+        if wait and self._handle is None:  # its open is bounded by op_timeout_s
+            concurrent.futures.wait((self._opening,), timeout=grace)
         if self._handle is None and not self._opening.done():  # closed when it opens
             kind = self._kind
             self._opening.add_done_callback(lambda f: _hand_over(f, kind.aclose, self._owner._loop))
-            return
+            return False
         try:
             h = self._opened(None)
-        except KVFlowError:  # the open failed: nothing to close
-            return
-        self._owner._call(h.aclose(), None, "close")
+        except KVFlowError:  # the open failed: nothing to close, nothing was copied
+            return True
+        if not wait:
+            self._owner._call(h.aclose(), None, "close")
+            return h._ended()
+        left = max(0.0, grace - (time.monotonic() - start))
+        try:
+            ended: bool = self._owner._call(h._close(left), left, "close")
+        except TransferTimeoutError:  # the loop did not answer within the grace
+            return h._ended()
+        return ended
 
     def done(self) -> bool:
         if self._handle is None:

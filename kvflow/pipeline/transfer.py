@@ -1,16 +1,13 @@
-"""One request batch moving through the stages, layer by layer (the base of both handles).
+"""BatchTransfer: how one request batch ends (the base of both handles).
 
-A batch runs two tasks on the engine's loop, joined by a bounded queue:
+The batch's driver and completer (``stages.py``) move its layers; when the completer is through,
+the batch ends here: the store session is ended (commit or release) and the result published.
+Cleanup runs as a task of its own, awaited through ``asyncio.shield``: cancelling the caller,
+even twice, cannot cut it short.
 
-    driver:    next layer (load: window slot free; save: layer written)
-               -> address generation (NumPy) -> batch_copy submitted to the copy executor
-    completer: await each copy in order (with a timeout) -> record failed chunks
-               -> set the layer's events -> after the last layer, commit or release in the store
-
-A driver that cannot go on (a producer or consumer silent for ``op_timeout_s``, or an error)
-fails the batch and hands the completer the missing layers, so the completer always finishes and
-the store is always released. Cleanup runs as a task of its own, awaited through
-``asyncio.shield``: cancelling the caller, even twice, cannot cut it short.
+A copy that timed out may still be running in its thread: the batch's slots or leases are kept
+until it returns, at most ``stop_grace`` of the engine's config (``runtime.py``), so the store
+never reuses memory under it; its result is published at once.
 
 A caller cancelled in one of the handle's waits (``wait_layer``, ``layer_written``, ``wait``)
 aborts the batch there, as ``aclose`` does: copies not yet begun never start, and the leases,
@@ -20,7 +17,6 @@ pending writes and slots come back before the cancellation goes on, not after ``
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -30,15 +26,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvflow import trace
 from kvflow._validate import check_timeout
 from kvflow.errors import KVFlowError, TransferTimeoutError
-from kvflow.pipeline.addrgen import BatchAddresses, LayerRanges
 from kvflow.pipeline.batch import BatchPlan
-from kvflow.pipeline.runtime import STRAGGLER_GRACE, Runtime
-from kvflow.pipeline.waits import event_within, future_within
+from kvflow.pipeline.runtime import Runtime, stop_grace
+from kvflow.pipeline.stages import BatchStages
+from kvflow.pipeline.waits import event_within
 from kvflow.results import ChunkStatus, TransferResult
-from kvflow.stores.base import Direction, ReadSession, WriteSession
+from kvflow.stores.base import ReadSession, WriteSession
 
 __all__ = ["BatchTransfer"]
 
@@ -47,11 +42,8 @@ H = TypeVar("H", bound="BatchTransfer")
 T = TypeVar("T")
 
 
-class BatchTransfer:
+class BatchTransfer(BatchStages):
     """The shared machinery of LoadHandle and SaveHandle (see the module docstring)."""
-
-    direction: Direction
-    _blocks_stat: str  # the EngineStats counter of blocks moved
 
     def __init__(
         self,
@@ -61,35 +53,6 @@ class BatchTransfer:
         active: np.ndarray,
         status: np.ndarray,
     ) -> None:
-        self._runtime = runtime
-        self._loop = asyncio.get_running_loop()
-        self._plan = plan
-        self._session = session
-        self._active = active  # batch chunk indices that are copied
-        self._status = status  # per batch chunk, final unless in `active`
-        self._failed = np.zeros(active.shape[0], dtype=bool)  # per active chunk
-        cfg = runtime.config
-        self._addresses = (
-            BatchAddresses(
-                runtime.layout,
-                plan.chunk_block_ids(active),
-                session.addrs[active],
-                cfg.chunk_blocks,
-                cfg.transfer_limit,
-            )
-            if session is not None and active.size
-            else None
-        )
-        n = runtime.layout.num_layers
-        self._events = [asyncio.Event() for _ in range(n)]
-        self.layer_events = [threading.Event() for _ in range(n)]
-        self.loaded_tokens: list[Any] = [None] * n  # DeviceOps.layer_loaded's token per layer
-        self._queue: asyncio.Queue[tuple[int, LayerRanges | None, Any]] = asyncio.Queue(
-            maxsize=self._window()
-        )
-        self._futures: list[asyncio.Future[Any]] = []  # every copy submitted
-        self._submitted: list[concurrent.futures.Future[Any]] = []  # the same, as the executor's
-        self._timed_out: set[asyncio.Future[Any]] = set()  # copies the completer gave up on
         self._finish_task: asyncio.Task[None] | None = None
         self._result_ready = asyncio.Event()
         self._done = asyncio.Event()
@@ -97,22 +60,9 @@ class BatchTransfer:
         self._published = threading.Event()
         self._settled = False  # _finish_once has begun: the chunk statuses are final
         self._closed = False
-        self.last_error: BaseException | None = None
-        self._tasks = [
-            asyncio.ensure_future(self._drive()),
-            asyncio.ensure_future(self._complete()),
-        ]
+        super().__init__(runtime, plan, session, active, status)  # starts the tasks: last
 
     # -- to be provided by LoadHandle / SaveHandle --------------------------------------------
-
-    def _window(self) -> int:
-        raise NotImplementedError
-
-    async def _next_layer(self) -> tuple[int, Any]:
-        raise NotImplementedError
-
-    def _layer_finished(self, layer: int) -> None:
-        """Called by the completer after each layer (save: frees a backlog slot)."""
 
     def _release_call(self) -> tuple[Any, tuple[Any, ...]] | None:
         """The store call that ends the session (commit or release) and its arguments."""
@@ -122,6 +72,8 @@ class BatchTransfer:
         """Every layer is in the batch's hands (waited for, or written): it ends without the
         caller."""
         raise NotImplementedError
+
+    # -- the end of the batch -----------------------------------------------------------------
 
     async def _release(self) -> None:
         """End the store session. If the store says it could not (the pool went away, a lease
@@ -142,125 +94,6 @@ class BatchTransfer:
             self._status[self._active] = ChunkStatus.FAILED
             stats.failed_chunks += ok_before
             setattr(stats, self._blocks_stat, getattr(stats, self._blocks_stat) - moved)
-
-    # -- the stages ---------------------------------------------------------------------------
-
-    async def _drive(self) -> None:
-        rt = self._runtime
-        sent: set[int] = set()
-        try:
-            for _ in range(rt.layout.num_layers):
-                layer, token = await self._next_layer()
-                ranges = self._ranges(layer)
-                future = None
-                if ranges is not None and len(ranges):
-                    copy = rt.copier.submit(self._copy, layer, ranges, token)
-                    self._submitted.append(copy)
-                    future = asyncio.wrap_future(copy)
-                    self._futures.append(future)
-                sent.add(layer)
-                await self._queue.put((layer, ranges, future))
-        except Exception as exc:  # the batch fails; the completer must still finish
-            log.warning("kvflow: %s stopped: %s", type(self).__name__, exc, exc_info=True)
-            self.last_error = exc
-            self._failed[:] = True
-            for layer in range(rt.layout.num_layers):
-                if layer not in sent:
-                    await self._queue.put((layer, None, None))
-
-    def _ranges(self, layer: int) -> LayerRanges | None:
-        if self._addresses is None:
-            return None
-        ranges = self._addresses.layer(layer)
-        if self._failed.any():  # a failed chunk is not copied again
-            keep = ~self._failed[ranges.chunk]
-            ranges = LayerRanges(
-                ranges.local[keep], ranges.pool[keep], ranges.sizes[keep], ranges.chunk[keep]
-            )
-        return ranges
-
-    def _copy(self, layer: int, ranges: LayerRanges, token: Any) -> np.ndarray:
-        """On a copy thread: wait for the device, move the bytes, return failed range indices."""
-        device = self._runtime.device
-        loading = self.direction == Direction.FROM_POOL
-        issued = False
-
-        # asynchronous copies (CUDA): the consumer may go on once they are issued, its stream
-        # waiting on their event; a failure found later still fails the chunks in the result
-        def on_issued(loaded: Any) -> None:
-            nonlocal issued
-            issued = True
-            self.loaded_tokens[layer] = loaded
-            self.layer_events[layer].set()
-            self._loop.call_soon_threadsafe(self._events[layer].set)
-
-        if trace.ENABLED:
-            start = trace.now()
-        with device.copying(self.direction, token, on_issued if loading else None):
-            failed = self._runtime.store.batch_copy(
-                ranges.pool, ranges.local, ranges.sizes, self.direction
-            )
-        if trace.ENABLED:
-            name = "load_copy" if loading else "save_copy"
-            nbytes = int(ranges.sizes.sum())
-            trace.complete(name, start, "copy", layer=layer, ranges=len(ranges), bytes=nbytes)
-        if loading and not issued:
-            self.loaded_tokens[layer] = device.layer_loaded(layer)
-            if len(failed) == 0:  # the fast path: a waiting consumer wakes without a loop hop
-                self.layer_events[layer].set()
-        return failed
-
-    async def _complete(self) -> None:
-        n = self._runtime.layout.num_layers
-        finished = np.zeros(n, dtype=bool)
-        try:
-            for _ in range(n):
-                layer, ranges, future = await self._queue.get()
-                if finished[layer]:  # a layer twice means another never came: nothing is whole
-                    self._failed[:] = True
-                finished[layer] = True
-                if future is not None and ranges is not None:
-                    await self._settle(layer, ranges, future)
-                self._layer_finished(layer)
-                self._events[layer].set()
-                self.layer_events[layer].set()
-            self._final_status()
-        finally:
-            await self._finish()
-
-    def _final_status(self) -> None:
-        self._status[self._active] = np.where(self._failed, ChunkStatus.FAILED, ChunkStatus.OK)
-        stats = self._runtime.stats
-        stats.failed_chunks += int(self._failed.sum())
-        moved = self._plan.moved_blocks(self._active[~self._failed])
-        setattr(stats, self._blocks_stat, getattr(stats, self._blocks_stat) + moved)
-
-    async def _settle(self, layer: int, ranges: LayerRanges, future: asyncio.Future[Any]) -> None:
-        stats = self._runtime.stats
-        timeout = self._runtime.config.copy_timeout_s
-        failed_chunks: np.ndarray
-        try:
-            if await future_within(future, timeout):
-                failed = np.asarray(future.result(), dtype=np.int64)
-                failed_chunks = np.unique(ranges.chunk[failed])
-            else:
-                self._timed_out.add(future)
-                stats.timeouts += 1
-                self.last_error = TransferTimeoutError(f"copy of layer {layer}", timeout)
-                failed_chunks = np.unique(ranges.chunk)
-        except Exception as exc:  # a store failure is data: the layer's chunks fail
-            log.warning("kvflow: copy of layer %d failed: %r", layer, exc, exc_info=True)
-            self.last_error = exc
-            failed_chunks = np.unique(ranges.chunk)
-        self._failed[failed_chunks] = True
-        stats.copy_calls += 1
-        stats.copy_ranges += len(ranges)
-        ok = ~np.isin(ranges.chunk, failed_chunks) if failed_chunks.size else None
-        moved = ranges.nbytes if ok is None else int(ranges.sizes[ok].sum())
-        if self.direction == Direction.TO_POOL:
-            stats.bytes_saved += moved
-        else:
-            stats.bytes_loaded += moved
 
     async def _finish(self) -> None:
         """Run ``_finish_once`` exactly once, as a task every caller awaits (shielded)."""
@@ -300,7 +133,7 @@ class BatchTransfer:
         self._published.set()  # the result, for other threads: no loop hop to read it
 
     async def _release_after(self, pending: list[asyncio.Future[Any]]) -> None:
-        grace = STRAGGLER_GRACE * self._runtime.config.copy_timeout_s
+        grace = stop_grace(self._runtime.config)
         _, late = await asyncio.wait(pending, timeout=grace)
         if late:
             log.error(
@@ -324,8 +157,14 @@ class BatchTransfer:
         return self._runtime.layout.num_layers
 
     def done(self) -> bool:
-        """True once the result is known and the store's leases or slots are released."""
+        """True once the result is known and the store's leases or slots are released (or,
+        for a copy still running past the grace, held for good: see ``aclose``)."""
         return self._done.is_set()
+
+    def _ended(self) -> bool:
+        """``done()``, and none of the batch's copies runs any more: each returned, or was
+        cancelled before it began. From any thread."""
+        return self._done.is_set() and all(copy.done() for copy in self._submitted)
 
     def result_now(self) -> TransferResult | None:
         """The batch's result if it is out (what ``wait()`` would return), else None; from
@@ -342,13 +181,31 @@ class BatchTransfer:
         assert self._result is not None
         return self._result
 
-    async def aclose(self) -> None:
-        """Stop this batch: unfinished chunks count as failed; leases and slots are released."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self._done.is_set():
-            await self._runtime.shielded(self._stop())
+    async def aclose(self, wait: bool = False) -> bool:
+        """Stop this batch: unfinished chunks count as failed; leases and slots are released.
+
+        Returns whether the batch has ended: none of its copies runs any more, and its store
+        session is over (``done()``). Without ``wait`` that is what it is once stopped (a copy
+        past its timeout may still run). With ``wait``, waits until the batch has ended, at
+        most ``stop_grace`` of the engine's config from this call; False then means a copy
+        still runs past that grace: it may yet write the blocks it loads into, or read those it
+        saves from, so they must not be reused.
+        """
+        return await self._close(stop_grace(self._runtime.config) if wait else None)
+
+    async def _close(self, wait_s: float | None) -> bool:
+        """``aclose``, waiting at most ``wait_s`` seconds (None: not at all) for the end."""
+        deadline = self._loop.time() + (wait_s or 0.0)
+        if not self._closed:
+            self._closed = True
+            if not self._done.is_set():
+                await self._runtime.shielded(self._stop())
+        if wait_s is not None:
+            running = [f for f in self._futures if not f.done()]
+            if running:  # the copies first: the batch ends (done) once they have returned
+                await asyncio.wait(running, timeout=max(0.0, deadline - self._loop.time()))
+            await event_within(self._done, max(0.0, deadline - self._loop.time()))
+        return self._ended()
 
     async def _stop(self) -> None:
         for task in self._tasks:
