@@ -38,7 +38,14 @@ from kvflow.layout import KVLayout
 if TYPE_CHECKING:
     from kvflow.integrations.vllm.config import ConnectorConfig
 
-__all__ = ["CacheGroup", "cache_layout", "layer_backend", "spec_fingerprint", "vllm_cache_shape"]
+__all__ = [
+    "CacheGroup",
+    "cache_layout",
+    "group_layout",
+    "layer_backend",
+    "spec_fingerprint",
+    "vllm_cache_shape",
+]
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,32 @@ def cache_layout(
                 f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]",
             )
     return names, KVLayout.from_tensors(tensors, block_size=block_size)
+
+
+def group_layout(
+    group: CacheGroup, kv_caches: dict[str, torch.Tensor], vllm_config: Any
+) -> tuple[list[str], KVLayout]:
+    """The layer names and the layout of a worker's tensors of ``group``, which must hold the
+    bytes per block vLLM's cache spec says (and, with MLA, have the shape it gives its layers)."""
+    shape = None  # MLA: the shape vLLM's own cache spec gives each layer's tensor
+    if group.mla and kv_caches:
+        backend = layer_backend(vllm_config, next(iter(kv_caches)))
+        shape = vllm_cache_shape(group.spec, group.num_blocks, backend)
+    names, layout = cache_layout(
+        kv_caches,
+        num_blocks=group.num_blocks,
+        block_size=group.block_size,
+        mla=group.mla,
+        expected_shape=shape,
+    )
+    page = getattr(group.spec, "page_size_bytes", None)
+    if page is not None and layout.layer_block_bytes(0) != int(page):
+        raise LayoutError(
+            "kv_caches",
+            f"{layout.layer_block_bytes(0)} bytes per block and layer",
+            f"vLLM's cache spec says {page}: kvflow does not know this layout",
+        )
+    return names, layout
 
 
 def _tuple_layout(

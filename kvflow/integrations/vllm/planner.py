@@ -2,13 +2,14 @@
 load into which blocks, and which newly computed chunks to save, step by step.
 
 A chunk is ``chunk_blocks`` vLLM blocks; its key is its last block's hash (vLLM's block hashes
-are prefix-chained, so that hash names the whole prefix). Prompt chunks are stored in the step
-that computes their last token; with ``save_generated`` the chunks of generated tokens too, each
-in the step after the one that computed its last token (the tokens computed before a step are
-final: a speculative step's rejected drafts are not among them). A hit never covers the whole
-prompt: the token that produces the first output is always computed. A planner that does not
-save (``save`` false: a ``kv_consumer``) counts the prompt chunks it would have saved
-(``take_unsaved_chunks``).
+are prefix-chained, so that hash names the whole prefix; the arithmetic of chunks and windows is
+``chunks.py``'s, what the planner remembers between steps ``tracking.py``'s). Prompt chunks are
+stored in the step that computes their last token; with ``save_generated`` the chunks of
+generated tokens too, each in the step after the one that computed its last token (the tokens
+computed before a step are final: a speculative step's rejected drafts are not among them). A
+hit never covers the whole prompt: the token that produces the first output is always computed.
+A planner that does not save (``save`` false: a ``kv_consumer``) counts the prompt chunks it
+would have saved (``take_unsaved_chunks``).
 
 A load starts in the chunk where vLLM's own prefix-cache hit ends. That hit is counted in
 blocks, so it often ends inside a chunk: the chunk is loaded all the same, its blocks vLLM holds
@@ -51,21 +52,23 @@ after the moved ones, so that it evicts a prompt's tail before its head
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from kvflow.integrations.vllm.chunks import NULL_BLOCK, ChunkGrid
+from kvflow.integrations.vllm.tracking import (
+    RECENT_S,
+    REUSE_S,
+    SEEN_LIMIT,
+    Hit,
+    RequestState,
+    SeenChunks,
+)
 from kvflow.layout import SKIP_BLOCK
 
 __all__ = ["NULL_BLOCK", "RECENT_S", "REUSE_S", "ChunkPlanner", "Transfer"]
-
-NULL_BLOCK = 0  # the id of vLLM's null block (its BlockPool's first), for blocks a window dropped
-
-RECENT_S = 60.0  # how long a chunk seen in the pool (or planned for saving) counts as stored
-REUSE_S = 1.0  # how long a waiting request's lookup answers its next ones
-SEEN_LIMIT = 1 << 16  # chunk hashes remembered, by default
 
 
 @dataclass(frozen=True)
@@ -83,67 +86,14 @@ class Transfer:
     group: int = 0  # vLLM's KV cache group whose layers and blocks these are
 
 
-@dataclass(frozen=True)
-class _Hit:
-    """Chunks ``[first, first + chunks)`` found in the pool; the first ``skip`` blocks of chunk
-    ``first`` are vLLM's own prefix-cache hit."""
-
-    first: int
-    chunks: int
-    skip: int
-
-
-@dataclass
-class _Tracked:
-    block_hashes: Callable[[], Sequence[bytes]]
-    prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
-    stored_chunks: int = 0  # chunks [0, stored_chunks) need no save
-    # the last lookup: num_computed, when, its first chunk and what it found (None: nothing asked)
-    answer: tuple[int, float, int, np.ndarray | None] | None = None
-    load_failed: bool = False  # an asynchronous load failed: vLLM recomputes, no hit again
-
-
-class _Seen:
-    """Chunk hashes seen in the pool and when each was last seen: at most ``limit`` of them,
-    the least recently seen dropped first."""
-
-    def __init__(self, limit: int, clock: Callable[[], float]) -> None:
-        self._limit = max(1, limit)
-        self._clock = clock
-        self._when: OrderedDict[bytes, float] = OrderedDict()
-
-    def add(self, hashes: Iterable[bytes]) -> None:
-        now = self._clock()
-        for h in hashes:
-            self._when.pop(h, None)
-            self._when[h] = now
-        while len(self._when) > self._limit:
-            self._when.popitem(last=False)
-
-    def discard(self, hashes: Iterable[bytes]) -> None:
-        for h in hashes:
-            self._when.pop(h, None)
-
-    def recent(self, h: bytes) -> bool:
-        when = self._when.get(h)
-        return when is not None and self._clock() - when < RECENT_S
-
-    def __len__(self) -> int:
-        return len(self._when)
-
-    def __contains__(self, h: object) -> bool:
-        return h in self._when
-
-
 class ChunkPlanner:
     """``lookup(hashes, preceding)`` says, per chunk hash, whether every rank's object is in
     the pool (a failing pool answers all False); ``preceding`` are the hashes of the prompt's
     chunks before them, for the pool's eviction order only. ``window``: sliding-window
     attention's kept tokens (0: full attention; see the module's docstring). ``seen_limit`` bounds
     the chunk hashes remembered as seen in the pool (see the module's docstring); ``clock``
-    gives the time in seconds they are remembered by. Not thread-safe: vLLM calls the scheduler
-    side from one thread."""
+    gives the time in seconds they are remembered by; ``grid``: the chunk and window arithmetic.
+    Not thread-safe: vLLM calls the scheduler side from one thread."""
 
     def __init__(
         self,
@@ -160,6 +110,7 @@ class ChunkPlanner:
         seen_limit: int = SEEN_LIMIT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.grid = ChunkGrid(block_size, chunk_blocks, window)
         self.block_size = block_size
         self.chunk_blocks = chunk_blocks
         self.chunk_tokens = block_size * chunk_blocks
@@ -170,47 +121,17 @@ class ChunkPlanner:
         self._load, self._save = load, save
         self._save_generated = save_generated
         self._unsaved = 0  # prompt chunks computed and not saved (``save`` false), uncounted yet
-        self._tracked: dict[str, _Tracked] = {}
-        self._hits: dict[str, _Hit] = {}  # found by the lookup
-        self._loads: dict[str, _Hit] = {}  # allocated: load in the next step
+        self._tracked: dict[str, RequestState] = {}
+        self._hits: dict[str, Hit] = {}  # found by the lookup
+        self._loads: dict[str, Hit] = {}  # allocated: load in the next step
         self._async_loads: list[Transfer] = []  # allocated, asynchronous: start at the next step
-        self._seen = _Seen(seen_limit, clock)
+        self._seen = SeenChunks(seen_limit, clock)
         self._clock = clock
 
     def chunk_hashes(
         self, block_hashes: Sequence[bytes], first: int, end: int
     ) -> tuple[bytes, ...]:
-        return tuple(self._chunk_hash(block_hashes, c) for c in range(first, end))
-
-    def _chunk_hash(self, block_hashes: Sequence[bytes], chunk: int) -> bytes:
-        return bytes(block_hashes[(chunk + 1) * self.chunk_blocks - 1])
-
-    def _dropped_blocks(self, computed: int) -> int:
-        """The blocks before the window of the token after the first ``computed``: vLLM keeps
-        none of them (its ``get_num_skipped_tokens``), so they are neither loaded nor saved."""
-        return max(0, computed - self.window + 1) // self.block_size if self.window else 0
-
-    def _window_chunk(self, end: int) -> int:
-        """The first chunk a hit ending at chunk ``end`` needs: it holds the window's first
-        block."""
-        return self._dropped_blocks(end * self.chunk_tokens) // self.chunk_blocks
-
-    def _hit_end(self, found: np.ndarray, first: int, limit: int | None = None) -> int:
-        """The last chunk end ``E`` in ``(first, first + len(found)]`` (and at most ``limit``)
-        such that every chunk from ``max(first, window chunk of E)`` to ``E`` was found
-        (``found[i]``: chunk ``first + i``); ``first`` when there is none."""
-        if limit is not None:
-            found = found[: max(0, limit - first)]
-        misses = np.flatnonzero(~found)
-        if not self.window or not misses.size:  # the leading run of found chunks, in NumPy
-            return first + (int(misses[0]) if misses.size else int(found.size))
-        runs: list[int] = []  # runs[i]: found chunks in a row, ending at chunk ``first + i``
-        for f in found.tolist():
-            runs.append(runs[-1] + 1 if f and runs else int(f))
-        for end in range(first + len(runs), first, -1):
-            if runs[end - first - 1] >= end - max(first, self._window_chunk(end)):
-                return end
-        return first
+        return self.grid.chunk_hashes(block_hashes, first, end)
 
     def matched_tokens(
         self,
@@ -224,7 +145,7 @@ class ChunkPlanner:
         that holds token ``num_computed`` (which must start a block), ending before the last
         prompt token (with a sliding window, the run needs only the chunks of the window before
         its end), and at chunk ``limit`` at the latest (given: the last answer is reused)."""
-        t = self._tracked.setdefault(req_id, _Tracked(block_hashes, prompt_tokens))
+        t = self._tracked.setdefault(req_id, RequestState(block_hashes, prompt_tokens))
         self._hits.pop(req_id, None)
         if not self._load or num_computed % self.block_size or t.load_failed:
             return 0
@@ -233,11 +154,11 @@ class ChunkPlanner:
         if t.answer is None or t.answer[0] != num_computed or not (fresh or limit is not None):
             t.answer = (num_computed, now, *self._ask(block_hashes(), prompt_tokens, num_computed))
         first, found = t.answer[2], t.answer[3]
-        hits = 0 if found is None else self._hit_end(found, first, limit) - first
+        hits = 0 if found is None else self.grid.hit_end(found, first, limit) - first
         if not hits:
             return 0
         skip = num_computed // self.block_size - first * self.chunk_blocks
-        self._hits[req_id] = _Hit(first, hits, skip)
+        self._hits[req_id] = Hit(first, hits, skip)
         return (first + hits) * self.chunk_tokens - num_computed
 
     def _ask(
@@ -272,12 +193,12 @@ class ChunkPlanner:
             hit.first + hit.chunks,
             (held * self.block_size + num_external_tokens) // self.chunk_tokens,
         )
-        first = max(hit.first, self._window_chunk(end))
+        first = max(hit.first, self.grid.window_chunk(end))
         if end <= first:
             return
         skip = max(0, held - first * cb)
         if not self.async_loads:
-            self._loads[req_id] = _Hit(first, end - first, skip)
+            self._loads[req_id] = Hit(first, end - first, skip)
             return
         t = self._tracked[req_id]
         t.block_ids = list(block_ids)
@@ -349,13 +270,13 @@ class ChunkPlanner:
         out, self._unsaved = self._unsaved, 0
         return out
 
-    def _savable(self, t: _Tracked, computed: int, done: int) -> int:
+    def _savable(self, t: RequestState, computed: int, done: int) -> int:
         """The first chunk from ``t.stored_chunks`` whose blocks vLLM still holds in a step
         after ``computed`` tokens: a sliding window may have dropped those of earlier chunks
         (the null block in their place; the block ids the planner knows may belong to another
         request by now)."""
         cb = self.chunk_blocks
-        first = max(t.stored_chunks, -(-self._dropped_blocks(computed) // cb))
+        first = max(t.stored_chunks, -(-self.grid.dropped_blocks(computed) // cb))
         # vLLM's own sliding-window hit pads nulls up to a window without the tokens it
         # retains beyond (``window`` counts them), so its table may hold a null after these
         while (
@@ -367,7 +288,7 @@ class ChunkPlanner:
         return first
 
     @property
-    def seen(self) -> _Seen:
+    def seen(self) -> SeenChunks:
         """The chunk hashes remembered as seen in the pool."""
         return self._seen
 
@@ -376,7 +297,7 @@ class ChunkPlanner:
         were seen in the pool recently: they need no save."""
         end = min(computed // self.chunk_tokens, len(hashes) // self.chunk_blocks)
         c = first
-        while c < end and self._seen.recent(self._chunk_hash(hashes, c)):
+        while c < end and self._seen.recent(self.grid.chunk_hash(hashes, c)):
             c += 1
         return c
 
@@ -391,7 +312,7 @@ class ChunkPlanner:
     def _transfer(
         self,
         req_id: str,
-        t: _Tracked,
+        t: RequestState,
         hashes: Sequence[bytes],
         first: int,
         end: int,

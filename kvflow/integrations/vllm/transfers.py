@@ -1,0 +1,125 @@
+"""The worker's engine and how its transfers end: a result waited for (within
+``op_timeout_s``), a transfer dropped, the blocks a load did not bring (counted, and reported
+to vLLM), a save's chunks counted.
+
+A dropped transfer is closed with ``close(wait=True)``, which returns once none of its copies
+runs any more: vLLM reuses the blocks when the step ends. A copy still running past the
+engine's grace (``kvflow.pipeline.runtime.stop_grace``) stops the worker's transfers for good
+(``engine`` becomes None): vLLM may reuse the blocks it would touch.
+
+Concurrency: a ``Transfers`` belongs to its worker and is called from the model thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvflow.errors import KVFlowError
+from kvflow.results import ChunkStatus, TransferResult
+
+if TYPE_CHECKING:
+    from kvflow.integrations.vllm.caches import CacheGroup
+    from kvflow.integrations.vllm.config import ConnectorConfig
+    from kvflow.integrations.vllm.metrics import StatsInterval
+    from kvflow.pipeline.sync import SyncLoadHandle, SyncSaveHandle, SyncTransferEngine
+
+__all__ = ["Transfers"]
+
+log = logging.getLogger("kvflow")
+
+
+class Transfers:
+    """One worker's engine (None: no pool, or stopped for good) and the ends of its
+    transfers, counted in the worker's ``stats``."""
+
+    def __init__(self, config: ConnectorConfig, group: CacheGroup, stats: StatsInterval) -> None:
+        self.config = config
+        self.group = group
+        self.engine: SyncTransferEngine | None = None
+        self.block_bytes = 0  # one block, every layer
+        self.debug_here = True  # the debug hooks act in this worker (config.debug_rank)
+        self._stats = stats
+
+    def result(
+        self, handle: SyncLoadHandle | SyncSaveHandle | None, what: str
+    ) -> TransferResult | None:
+        """The transfer's result; None (the transfer dropped) when it does not come in time."""
+        if handle is None:
+            return None
+        try:
+            return handle.wait(timeout=self.config.op_timeout_s)
+        except KVFlowError as exc:
+            log.warning("kvflow: the step's %s did not finish: %s", what, exc)
+            self.drop(handle, what)
+            return None
+
+    def drop(self, handle: SyncLoadHandle | SyncSaveHandle, what: str) -> None:
+        """Abort a transfer and wait until no copy of it can still touch the blocks (a copy past
+        its timeout may still be running): vLLM reuses them once the step ends. If one is still
+        running after the engine's grace, the connector stops moving bytes for good."""
+        try:
+            ended = handle.close(wait=True)
+        except KVFlowError as exc:  # the engine is closed: what it left is all there is
+            log.warning("kvflow: closing the step's %s: %s", what, exc)
+            ended = handle.done()
+        if not ended:
+            log.critical(
+                "kvflow: a %s copy is still running past its grace; the connector stops "
+                "loading and saving in this process",
+                what,
+            )
+            self.engine = None
+
+    def finish_save(self, handle: SyncSaveHandle) -> None:
+        """Wait for a save's result and count it."""
+        backlog = handle.handle.backlog  # layers still to copy (it opened: layers came)
+        result = self.result(handle, "save")
+        tokens_per_chunk = self.group.chunk_blocks * self.group.block_size
+        with self._stats.update() as stats:
+            d = stats.data
+            d["saves"] += 1
+            stats.record_save_backlog(backlog)
+            if result is None:
+                return
+            ok, failed = result.count(ChunkStatus.OK), result.count(ChunkStatus.FAILED)
+            d["saved_tokens"] += ok * tokens_per_chunk
+            d["saved_bytes"] += ok * self.group.chunk_blocks * self.block_bytes
+            skipped = result.count(ChunkStatus.EXISTS) + result.count(ChunkStatus.NO_SPACE)
+            d["save_skipped_tokens"] += skipped * tokens_per_chunk
+            d["save_failed_tokens"] += failed * tokens_per_chunk
+            d["save_failed_chunks"] += failed
+
+    def load_failures(self, result: TransferResult | None, planned: np.ndarray) -> np.ndarray:
+        """The ``planned`` blocks of an ended load that failed, counted in the stats: all of
+        them without a result (or with ``debug_fail_loads``), else those the result names
+        (``debug_corrupt_loads`` then garbles the others)."""
+        if result is None or (self.config.debug_fail_loads and self.debug_here):
+            failed = planned
+        else:
+            failed = result.failed_block_ids
+            if self.config.debug_corrupt_loads and self.debug_here:
+                self._corrupt(planned[~np.isin(planned, failed)])
+        with self._stats.update() as stats:
+            d = stats.data
+            d["loads"] += 1
+            d["loaded_tokens"] += (len(planned) - len(failed)) * self.group.block_size
+            d["loaded_bytes"] += (len(planned) - len(failed)) * self.block_bytes
+            d["load_failed_tokens"] += len(failed) * self.group.block_size
+            d["load_failed_chunks"] += -(-len(failed) // self.group.chunk_blocks)
+        return failed
+
+    def _corrupt(self, blocks: np.ndarray) -> None:
+        """Test hook (``debug_corrupt_loads``): overwrite loaded blocks with garbage."""
+        assert self.engine is not None
+        layout = self.engine.layout
+        if layout.device != "cpu":
+            log.warning("kvflow: debug_corrupt_loads works on CPU caches only; ignored")
+            return
+        for parts in layout.layers:
+            for part in parts:
+                for block in blocks.tolist():
+                    ctypes.memset(part.base + block * part.block_stride, 0x7B, part.block_bytes)

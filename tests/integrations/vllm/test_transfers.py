@@ -1,0 +1,71 @@
+"""The worker's transfers without vLLM: a dropped transfer is waited for until none of its
+copies runs any more (``close(wait=True)``), and one whose copy outlives the engine's grace
+stops the worker's transfers for good. A copy held at a gate the test opens stands for the
+straggler."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow.abc import Direction
+from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.transfers import Transfers
+from tests.support.caches import make_caches
+from tests.support.gates import Gate
+from tests.support.wrappers import WrappedStore
+
+BS = 16
+TOKENS = np.arange(2 * BS)
+# the engine's grace (stop_grace) is a second: a copy held at a gate soon outlives it
+SHORT = kvflow.EngineConfig(
+    chunk_blocks=1, prefetch_layers=1, copy_timeout_s=0.05, op_timeout_s=0.5
+)
+
+
+@pytest.fixture
+def setup() -> Iterator[tuple[WrappedStore, kvflow.SyncTransferEngine, Transfers]]:
+    store = WrappedStore(kvflow.LocalStore("8MiB"))
+    layout = kvflow.KVLayout.from_tensors(make_caches(3), block_size=BS)
+    with kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=1)) as e:
+        assert e.save(TOKENS, [0, 1]).ok  # the default timeouts: a stall fails no set-up
+    engine = kvflow.SyncTransferEngine(layout, store, SHORT)
+    group: Any = None  # a drop needs no cache group
+    transfers = Transfers(ConnectorConfig(), group, stats=None)  # type: ignore[arg-type]
+    transfers.engine = engine
+    yield store, engine, transfers
+    engine.close()
+    store.close()
+
+
+def test_a_dropped_load_whose_copies_ended_keeps_the_engine(
+    setup: tuple[WrappedStore, kvflow.SyncTransferEngine, Transfers],
+) -> None:
+    store, engine, transfers = setup
+    handle = engine.start_load([(TOKENS, [6, 7])])
+    handle.wait_layer(0, timeout=60)
+    transfers.drop(handle, "load")
+    assert transfers.engine is engine
+    assert handle.done() and store.usage().leases == 0
+
+
+def test_a_dropped_load_whose_copy_outlives_the_grace_stops_the_transfers(
+    setup: tuple[WrappedStore, kvflow.SyncTransferEngine, Transfers],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store, engine, transfers = setup
+    gate = Gate()
+    store.before_copy = lambda d, *a: gate() if d == Direction.FROM_POOL else None
+    handle = engine.start_load([(TOKENS, [6, 7])])
+    assert gate.reached.wait(60)  # layer 0's copy runs, held at the gate
+    with caplog.at_level(logging.CRITICAL, logger="kvflow"):
+        transfers.drop(handle, "load")
+    assert transfers.engine is None  # vLLM may reuse the blocks the copy would touch
+    assert gate.held == 1 and gate.passed == 0  # it was still running
+    assert "still running past its grace" in caplog.text
+    gate.set()
