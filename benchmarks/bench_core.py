@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.common import fmt_bytes
+from kvflow.bench.args import fmt_bytes
 from kvflow.cli import main as kvflow
 
 OUT = Path(__file__).resolve().parent.parent / "bench-results"

@@ -535,7 +535,7 @@ def print_table(summary: dict[str, Any]) -> None:
 def plot(summary: dict[str, Any], path: str) -> str | None:
     """Mean/median/p99 TTFT per row, one panel per workload; a note instead without
     matplotlib."""
-    from kvflow.bench.common import figure, save
+    from kvflow.bench.plots import figure, save
     from kvflow.errors import MissingDependencyError
 
     try:

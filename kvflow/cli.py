@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvflow.bench import SCENARIOS
+from kvflow.bench.args import check_output_path
 from kvflow.bench.report import Report, machine_info, write_json
 from kvflow.errors import KVFlowError
 from kvflow.pool import cli as pool_cli
@@ -70,8 +71,6 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.module is None:
         print(f"kvflow bench {args.scenario}: {args.error}", file=sys.stderr)
         return 2
-    from kvflow.bench.common import check_output_path  # imports torch, as every scenario does
-
     report = Report()
     try:
         for option in ("json", "plot"):  # before the run: a bad path must not cost its results

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.bench.common import check_output_path
+from kvflow.bench.args import check_output_path
 from kvflow.cli import EXIT_BROKEN_PIPE
 from kvflow.errors import ConfigError
 from kvflow.pool import PoolConfig, PoolServer

@@ -16,24 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.bench.common import (
-    CHUNK_BLOCKS,
-    DIRECTIONS,
-    MAX_TRANSFER_BYTES,
-    CopyBench,
-    best_times,
-    count,
-    figure,
-    fmt_bytes,
-    format_axes,
-    int_list,
-    load_average,
-    pick,
-    save,
-    size_arg,
-    submit_copy,
-)
+from kvflow.bench.args import count, fmt_bytes, int_list, pick, size_arg
+from kvflow.bench.plots import figure, format_axes, save
 from kvflow.bench.report import Report
+from kvflow.bench.setups import CHUNK_BLOCKS, DIRECTIONS, MAX_TRANSFER_BYTES, CopyBench, submit_copy
+from kvflow.bench.timing import best_times, load_average
 from kvflow.layout import KVLayout, KVPart
 from kvflow.pipeline.addrgen import BatchAddresses, reference_layer_ranges
 from kvflow.pipeline.executor import PinnedExecutor

@@ -26,34 +26,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.bench.common import (
-    CHUNK_BLOCKS,
-    DIRECTIONS,
-    CopyBench,
-    KiB,
-    Memcpy,
-    MiB,
-    best_times,
-    count,
-    cpu_list,
-    figure,
-    fmt_bytes,
-    format_axes,
-    int_list,
-    load_average,
-    pick,
-    pin_cpus,
-    save,
-    size_arg,
-    size_list,
-    submit_copy,
-)
+from kvflow.bench.args import KiB, MiB, count, fmt_bytes, int_list, pick, size_arg, size_list
+from kvflow.bench.plots import figure, format_axes, save
 from kvflow.bench.report import Report
+from kvflow.bench.setups import CHUNK_BLOCKS, DIRECTIONS, CopyBench, Memcpy, submit_copy
+from kvflow.bench.timing import best_times, load_average, pin_cpus
+from kvflow.copying.host import NATIVE, stream_min_bytes
+from kvflow.cpus import cpu_list
 from kvflow.devices import CudaDevice
 from kvflow.pipeline.addrgen import LayerRanges
 from kvflow.pipeline.executor import PinnedExecutor
 from kvflow.stores.base import Direction, Store
-from kvflow.stores.copyloop import NATIVE, stream_min_bytes
 
 __all__ = ["DESCRIPTION", "add_arguments", "plot", "run"]
 

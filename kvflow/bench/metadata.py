@@ -23,18 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.bench.common import (
-    CHUNK_BLOCKS,
-    figure,
-    format_axes,
-    int_list,
-    load_average,
-    pick,
-    save,
-    small_layout,
-    store_for,
-)
+from kvflow.bench.args import int_list, pick
+from kvflow.bench.plots import figure, format_axes, save
 from kvflow.bench.report import Report
+from kvflow.bench.setups import CHUNK_BLOCKS, small_layout, store_for
+from kvflow.bench.timing import load_average
 from kvflow.config import EngineConfig
 from kvflow.keys import chunk_hashes
 from kvflow.layout import KVLayout

@@ -26,17 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.bench.common import (
-    count,
-    figure,
-    fmt_bytes,
-    int_list,
-    pick,
-    save,
-    size_arg,
-    small_layout,
-)
+from kvflow.bench.args import count, fmt_bytes, int_list, pick, size_arg
+from kvflow.bench.plots import figure, save
 from kvflow.bench.report import Report
+from kvflow.bench.setups import small_layout
 from kvflow.bench.stores import mooncake_store
 from kvflow.config import EngineConfig
 from kvflow.errors import KVFlowError, StoreError

@@ -33,19 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.bench.common import (
-    count,
-    figure,
-    format_axes,
-    gc_paused,
-    int_list,
-    load_average,
-    pick,
-    save,
-    small_layout,
-    store_for,
-)
+from kvflow.bench.args import count, int_list, pick
+from kvflow.bench.plots import figure, format_axes, save
 from kvflow.bench.report import Report
+from kvflow.bench.setups import small_layout, store_for
+from kvflow.bench.timing import gc_paused, load_average
 from kvflow.config import EngineConfig
 from kvflow.pipeline.batch import BlockRequest
 from kvflow.pipeline.engine import TransferEngine

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvflow.cpus import affinity
+
 __all__ = ["Report", "machine_info"]
 
 
@@ -105,7 +107,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cpus": os.cpu_count(),
-        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "affinity": affinity() or None,
         "python": platform.python_version(),
         "numpy": numpy.__version__,
         "torch": torch.__version__,
