@@ -196,3 +196,15 @@ def test_only_integrations_and_the_cli_reach_integrations_and_bench() -> None:
         or (t.startswith("kvflow.bench") and not m.startswith(("kvflow.bench", "kvflow.cli")))
     )
     assert outside == []
+
+
+MAX_LINES = 400  # docs/architecture.md: every module one concept, under this many lines
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {
+        _module_name(path): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"split these by concept: {long}"
