@@ -316,3 +316,9 @@ def test_pinning_without_a_gpu_is_refused_by_name() -> None:
         kvflow.LocalStore("1MiB", pin="yes")  # type: ignore[arg-type]
     with pytest.raises(kvflow.ConfigError, match="pin"):
         kvflow.SharedStoreConfig(pin="yes")  # type: ignore[arg-type]
+    for store in (
+        lambda: kvflow.LocalStore("1MiB", pin=1),
+        lambda: kvflow.SharedStoreConfig(pin=1),
+    ):
+        with pytest.raises(kvflow.ConfigError, match="pin"):  # a bool, as both say
+            store()

@@ -75,8 +75,8 @@ class LocalStore(Store):
         size = parse_size(capacity, argument="capacity")
         if size < SLOT_ALIGN:
             raise ConfigError("capacity", capacity, f"must be at least {SLOT_ALIGN} bytes")
-        if pin not in (None, True, False):
-            raise ConfigError("pin", pin, "expected None (when a GPU is present), True or False")
+        if pin is not None and not isinstance(pin, bool):  # as SharedStoreConfig's pin
+            raise ConfigError("pin", pin, "must be true or false, or None (when a GPU is present)")
         check_capacity(size, capacity)  # before any memory is mapped
         self._map = _anonymous_map(size, prefault=prefault)
         self._buffer = np.frombuffer(self._map, dtype=np.uint8)
