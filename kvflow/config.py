@@ -23,6 +23,7 @@ from kvflow.fields import (
 
 __all__ = [
     "DEFAULT_CHUNK_BLOCKS",
+    "DEFAULT_COPY_THREADS",
     "DEFAULT_COPY_TIMEOUT_S",
     "DEFAULT_MAX_TRANSFER_BYTES",
     "DEFAULT_OP_TIMEOUT_S",

@@ -30,7 +30,7 @@ LEAVES = (
 # the floors, bottom up: a module imports its own floor and those below, never one above
 FLOORS = (
     ("data", LEAVES),
-    ("copy", ("kvflow.copying", "kvflow._native")),
+    ("copy", ("kvflow.copying", "kvflow._native", "kvflow.cuda")),  # cuda: a former name
     ("stores", ("kvflow.stores", "kvflow.pool")),
     ("devices", ("kvflow.devices", "kvflow.abc", "kvflow.testing")),
     ("pipeline", ("kvflow.pipeline",)),

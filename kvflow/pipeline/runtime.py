@@ -31,7 +31,7 @@ from kvflow.pipeline.waits import future_within
 from kvflow.stats import EngineStats
 from kvflow.stores.base import Store
 
-__all__ = ["STRAGGLER_GRACE", "Runtime", "stop_grace"]
+__all__ = ["STRAGGLER_GRACE", "Runtime", "stop_grace", "straggler_grace"]
 
 log = logging.getLogger("kvflow")
 T = TypeVar("T")
@@ -39,14 +39,19 @@ T = TypeVar("T")
 STRAGGLER_GRACE = 10.0  # x copy_timeout_s: how long a late copy may run on (see stop_grace)
 
 
+def straggler_grace(config: EngineConfig) -> float:
+    """How long a batch waits for a copy that ran past ``copy_timeout_s`` to return
+    (``STRAGGLER_GRACE`` times that) before it gives up on it: its slots or leases then stay
+    held for good, since the copy may still touch them."""
+    return STRAGGLER_GRACE * config.copy_timeout_s
+
+
 def stop_grace(config: EngineConfig) -> float:
-    """How long a stopped batch may take to end: long enough for a copy that ran past
-    ``copy_timeout_s`` to return (``STRAGGLER_GRACE`` times that) and for the store call that
-    then ends the batch's session (``op_timeout_s``). The one bound on stragglers: a batch waits
-    this long for a straggling copy before it gives up on it (its slots or leases then stay
-    held for good), and callers wait this long for a stopped batch to end (``aclose`` or
-    ``close`` with ``wait=True``, the engine's ``close``)."""
-    return STRAGGLER_GRACE * config.copy_timeout_s + config.op_timeout_s
+    """How long a stopped batch may take to end: its stragglers' grace (``straggler_grace``),
+    then the store call that ends its session (``op_timeout_s``). Callers wait this long for a
+    stopped batch to end (``aclose`` or ``close`` with ``wait=True``, the engine's ``close``):
+    a batch that has not ended by then has a copy still running."""
+    return straggler_grace(config) + config.op_timeout_s
 
 
 class Batch(Protocol):

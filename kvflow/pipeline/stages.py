@@ -9,6 +9,11 @@ A driver that cannot go on (a producer or consumer silent for ``op_timeout_s``, 
 fails the batch and hands the completer the missing layers, so the completer always finishes and
 the batch always ends (``BatchTransfer``, in ``transfer.py``, ends it: the store session, the
 result, stragglers, closing).
+
+Concurrency: both tasks run on the engine's loop; ``_copy`` runs on a copy thread, where it
+writes only its own layer's ``loaded_tokens`` entry and sets its ``layer_events`` entry (a
+``threading.Event``, for waiters on other threads), and reaches the loop's event through
+``call_soon_threadsafe``.
 """
 
 from __future__ import annotations

@@ -274,11 +274,11 @@ class _Opening(Generic[H]):
             h = self._opened(None)
         except KVFlowError:  # the open failed: nothing to close, nothing was copied
             return True
+        self._owner._call(h.aclose(), None, "close")  # stopped, whatever the wait below does
         if not wait:
-            self._owner._call(h.aclose(), None, "close")
             return h._ended()
         left = max(0.0, grace - (time.monotonic() - start))
-        try:
+        try:  # the batch is stopped already: a wait cut short cancels only the waiting
             ended: bool = self._owner._call(h._close(left), left, "close")
         except TransferTimeoutError:  # the loop did not answer within the grace
             return h._ended()

@@ -6,8 +6,9 @@ Cleanup runs as a task of its own, awaited through ``asyncio.shield``: cancellin
 even twice, cannot cut it short.
 
 A copy that timed out may still be running in its thread: the batch's slots or leases are kept
-until it returns, at most ``stop_grace`` of the engine's config (``runtime.py``), so the store
-never reuses memory under it; its result is published at once.
+until it returns, at most ``straggler_grace`` of the engine's config (``runtime.py``), so the
+store never reuses memory under it, and its session is ended then (the whole within
+``stop_grace``); its result is published at once.
 
 A caller cancelled in one of the handle's waits (``wait_layer``, ``layer_written``, ``wait``)
 aborts the batch there, as ``aclose`` does: copies not yet begun never start, and the leases,
@@ -29,7 +30,7 @@ import numpy as np
 from kvflow._validate import check_timeout
 from kvflow.errors import KVFlowError, TransferTimeoutError
 from kvflow.pipeline.batch import BatchPlan
-from kvflow.pipeline.runtime import Runtime, stop_grace
+from kvflow.pipeline.runtime import Runtime, stop_grace, straggler_grace
 from kvflow.pipeline.stages import BatchStages
 from kvflow.pipeline.waits import event_within
 from kvflow.results import ChunkStatus, TransferResult
@@ -133,7 +134,7 @@ class BatchTransfer(BatchStages):
         self._published.set()  # the result, for other threads: no loop hop to read it
 
     async def _release_after(self, pending: list[asyncio.Future[Any]]) -> None:
-        grace = stop_grace(self._runtime.config)
+        grace = straggler_grace(self._runtime.config)  # then _release: within stop_grace
         _, late = await asyncio.wait(pending, timeout=grace)
         if late:
             log.error(
@@ -187,9 +188,10 @@ class BatchTransfer(BatchStages):
         Returns whether the batch has ended: none of its copies runs any more, and its store
         session is over (``done()``). Without ``wait`` that is what it is once stopped (a copy
         past its timeout may still run). With ``wait``, waits until the batch has ended, at
-        most ``stop_grace`` of the engine's config from this call; False then means a copy
-        still runs past that grace: it may yet write the blocks it loads into, or read those it
-        saves from, so they must not be reused.
+        most ``stop_grace`` of the engine's config from this call (a straggler's grace, then
+        the store call that ends the session); False then means a copy still runs past that
+        grace: it may yet write the blocks it loads into, or read those it saves from, so they
+        must not be reused.
         """
         return await self._close(stop_grace(self._runtime.config) if wait else None)
 

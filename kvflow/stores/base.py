@@ -249,7 +249,8 @@ def deprecated_name(module: str, name: str) -> type:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     warnings.warn(
         f"{module}.{name} is deprecated: every Store answers the ability's calls now (their "
-        "defaults are in kvflow.abc.Store), so an isinstance check is always true; call them",
+        "defaults are in kvflow.abc.Store), so an isinstance check is always true; call them "
+        "(usage() returns None for a store that keeps no counts)",
         DeprecationWarning,
         stacklevel=3,
     )

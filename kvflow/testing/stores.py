@@ -68,6 +68,10 @@ class InstrumentedStore(StoreWrapper):
         self._count("register")
         self.inner.register(regions)
 
+    def unregister(self, regions: Sequence[tuple[int, int]]) -> None:
+        self._count("unregister")
+        self.inner.unregister(regions)
+
     def lookup(self, keys: Sequence[str]) -> np.ndarray:
         self._count("lookup", len(keys))
         return self.inner.lookup(keys)

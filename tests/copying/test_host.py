@@ -151,3 +151,23 @@ def test_timing_both_ways_gives_two_durations() -> None:
     streamed, plain = copyloop._time_both(total=4 << 20, piece=1 << 20, rounds=1)
 
     assert 0 < streamed < 1 and 0 < plain < 1
+
+
+@pytest.mark.parametrize(
+    ("former", "now"),
+    [
+        ("kvflow.stores.copyloop", "kvflow.copying.host"),
+        ("kvflow.cuda", "kvflow.copying.cuda"),
+        ("kvflow.integrations.vllm.random_model", "kvflow.testing.models"),
+        ("kvflow.pool.store_config", "kvflow.pool.config"),
+    ],
+)
+def test_a_former_module_name_still_imports_and_says_where_it_went(former: str, now: str) -> None:
+    import importlib
+    import sys
+
+    sys.modules.pop(former, None)  # its warning comes at its first import
+    with pytest.warns(DeprecationWarning, match=now.replace(".", r"\.")):
+        module = importlib.import_module(former)
+    current = importlib.import_module(now)
+    assert all(getattr(module, name) is getattr(current, name) for name in module.__all__)
