@@ -3,9 +3,11 @@
 to vLLM), a save's chunks counted.
 
 A dropped transfer is closed with ``close(wait=True)``, which returns once none of its copies
-runs any more: vLLM reuses the blocks when the step ends. A copy still running past the
-engine's grace (``kvflow.pipeline.runtime.stop_grace``) stops the worker's transfers for good
-(``engine`` becomes None): vLLM may reuse the blocks it would touch.
+runs any more: vLLM reuses the blocks when the step ends. A load whose result came while a copy
+that ran past its timeout still runs is dropped the same way before its result is used. A
+copy still running past the engine's grace (``kvflow.pipeline.runtime.stop_grace``) stops the
+worker's transfers for good (``engine`` becomes None): vLLM may reuse the blocks it would
+touch.
 
 Concurrency: a ``Transfers`` belongs to its worker and is called from the model thread.
 """
@@ -40,6 +42,7 @@ class Transfers:
         self.config = config
         self.group = group
         self.engine: SyncTransferEngine | None = None
+        self._stopped: SyncTransferEngine | None = None  # stopped for good, closed at close()
         self.block_bytes = 0  # one block, every layer
         self.debug_here = True  # the debug hooks act in this worker (config.debug_rank)
         self._stats = stats
@@ -47,15 +50,25 @@ class Transfers:
     def result(
         self, handle: SyncLoadHandle | SyncSaveHandle | None, what: str
     ) -> TransferResult | None:
-        """The transfer's result; None (the transfer dropped) when it does not come in time."""
+        """The transfer's result; None (the transfer dropped) when it does not come in time.
+
+        A result comes out at once even while a copy that ran past its timeout still runs (its
+        chunks failed). A load's such copy may still write its blocks, which vLLM then
+        recomputes, frees or hands on: the load is dropped too (waited for, within the engine's
+        grace) before its result is returned. (A save's only reads them, and its chunk is
+        aborted when it returns.)"""
         if handle is None:
             return None
         try:
-            return handle.wait(timeout=self.config.op_timeout_s)
+            result = handle.wait(timeout=self.config.op_timeout_s)
         except KVFlowError as exc:
             log.warning("kvflow: the step's %s did not finish: %s", what, exc)
             self.drop(handle, what)
             return None
+        if what == "load" and not handle.done():  # a straggler: the blocks are not vLLM's yet
+            log.warning("kvflow: the step's %s has a copy past its timeout; waiting for it", what)
+            self.drop(handle, what)
+        return result
 
     def drop(self, handle: SyncLoadHandle | SyncSaveHandle, what: str) -> None:
         """Abort a transfer and wait until no copy of it can still touch the blocks (a copy past
@@ -72,7 +85,15 @@ class Transfers:
                 "loading and saving in this process",
                 what,
             )
-            self.engine = None
+            self._stopped, self.engine = self.engine, None
+
+    def close(self) -> None:
+        """Close the engine, and one stopped for good (its threads and loop, once its
+        straggler has returned or its grace has run out)."""
+        for engine in (self.engine, self._stopped):
+            if engine is not None:
+                engine.close()
+        self.engine = self._stopped = None
 
     def finish_save(self, handle: SyncSaveHandle) -> None:
         """Wait for a save's result and count it."""

@@ -295,8 +295,7 @@ class KVFlowConnectorWorker:
 
     def shutdown(self) -> None:
         self._async.close()
-        if self._transfers.engine is not None:
-            self._transfers.engine.close()
+        self._transfers.close()
         if self._store is not None and self._owns_store:
             self._store.close()
         self._store = None

@@ -69,3 +69,47 @@ def test_a_dropped_load_whose_copy_outlives_the_grace_stops_the_transfers(
     assert gate.held == 1 and gate.passed == 0  # it was still running
     assert "still running past its grace" in caplog.text
     gate.set()
+
+
+def test_a_load_result_that_came_before_its_straggler_waits_for_it(
+    setup: tuple[WrappedStore, kvflow.SyncTransferEngine, Transfers],
+) -> None:
+    """A copy past its timeout fails its chunks and the result comes out at once, while the copy
+    may still write the blocks. The result is handed back only once the copy has returned (the
+    test opens the gate when the worker starts waiting for it), so vLLM never reuses a block
+    a straggler still writes."""
+    store, engine, transfers = setup
+    gate = Gate()
+    store.before_copy = lambda d, *a: gate() if d == Direction.FROM_POOL else None
+    handle = engine.start_load([(TOKENS, [6, 7])])
+    assert gate.reached.wait(60)  # layer 0's copy runs, held at the gate
+    close = handle.close
+    waited: list[bool] = []
+
+    def close_opening_the_gate(wait: bool = False) -> bool:
+        waited.append(wait)
+        gate.set()  # the straggler returns while the worker waits for it
+        return close(wait)
+
+    handle.close = close_opening_the_gate  # type: ignore[method-assign]
+    result = transfers.result(handle, "load")
+    assert result is not None and not result.ok  # its chunks failed: vLLM recomputes them
+    assert waited == [True] and gate.passed >= 1 and gate.held == 0
+    assert handle.done() and store.usage().leases == 0
+    assert transfers.engine is engine  # the copy returned within the grace
+
+
+def test_an_engine_stopped_for_good_is_still_closed_at_shutdown(
+    setup: tuple[WrappedStore, kvflow.SyncTransferEngine, Transfers],
+) -> None:
+    store, engine, transfers = setup
+    gate = Gate()
+    store.before_copy = lambda d, *a: gate() if d == Direction.FROM_POOL else None
+    handle = engine.start_load([(TOKENS, [6, 7])])
+    assert gate.reached.wait(60)
+    transfers.drop(handle, "load")  # past the grace: stopped for good
+    assert transfers.engine is None
+    gate.set()  # the straggler returns
+    transfers.close()
+    with pytest.raises(kvflow.ClosedError):
+        engine.lookup(TOKENS)
