@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -69,6 +68,7 @@ from tests.support.serve import (  # noqa: E402
     serve_args,
     stop_pool,
     stream_completion,
+    write_report,
 )
 
 OUT = REPO / "bench-results"
@@ -368,14 +368,8 @@ def main() -> int:
         "block": BLOCK,
         "repeats": repeats,
         "rows": rows,
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "cpus": os.cpu_count(),
-        "wall_s": time.monotonic() - started,
-        "logs": str(work),
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(document, indent=1))
+    write_report(args.json, document, started=started, load_before=load_before, work=work)
     print_table(summary, rows)
     print(f"JSON: {args.json}; logs: {work}", file=sys.stderr)
     return 0

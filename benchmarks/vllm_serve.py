@@ -68,6 +68,7 @@ from tests.support.serve import (  # noqa: E402
     order,
     serve_args,
     stop_pool,
+    write_report,
 )
 
 OUT = REPO / "bench-results"
@@ -611,14 +612,8 @@ def main() -> int:
         "working_set_tokens": shape.working_set(),
         "repeats": repeats,
         "rows": rows,
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "cpus": os.cpu_count(),
-        "wall_s": time.monotonic() - started,
-        "logs": str(work),
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(document, indent=1))
+    write_report(args.json, document, started=started, load_before=load_before, work=work)
     print_table(summary)
     if args.plot:
         note = plot(summary, args.plot)

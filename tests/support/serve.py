@@ -362,3 +362,21 @@ def order(rows: list[str], i: int) -> list[str]:
             high -= 1
     out = [rows[(step + i) % n] for step in steps]
     return out[::-1] if n % 2 and (i // n) % 2 else out
+
+
+def write_report(
+    path: str, document: dict[str, Any], *, started: float, load_before: Any, work: Path
+) -> None:
+    """Write a serving benchmark's JSON to ``path`` with the host's state around the run (load
+    before and after, CPUs), its wall time since ``started`` (``time.monotonic``) and where the
+    servers' logs are."""
+    document = {
+        **document,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "wall_s": time.monotonic() - started,
+        "logs": str(work),
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(document, indent=1))
