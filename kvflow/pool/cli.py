@@ -15,13 +15,14 @@ from typing import Any
 from kvflow import trace
 from kvflow.config import parse_size
 from kvflow.cpus import cpu_list, pin_all_threads
-from kvflow.errors import KVFlowError, PoolRunningError, StoreError
+from kvflow.errors import ConfigError, KVFlowError, PoolRunningError, StoreError
 from kvflow.pool.client import query_stats
 from kvflow.pool.config import (
     DEFAULT_CAPACITY,
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_MAX_CLIENTS,
+    DISK_READS,
     PoolConfig,
 )
 from kvflow.pool.launch import (
@@ -48,6 +49,9 @@ _SETTINGS = {
     "socket_mode": "socket_mode",
     "max_clients": "max_clients",
     "idle_timeout": "idle_timeout_s",
+    "disk_dir": "disk_dir",
+    "disk_capacity": "disk_capacity",
+    "disk_reads": "disk_reads",
 }
 
 
@@ -148,6 +152,21 @@ def add_commands(commands: Any) -> None:
         f"clients reconnect on their next call (default {DEFAULT_IDLE_TIMEOUT_S:g})",
     )
     serve.add_argument(
+        "--disk-dir",
+        metavar="DIR",
+        help="a disk tier in this folder: what DRAM evicts is still served from disk, and "
+        "what it holds is served again after a restart (needs --disk-capacity)",
+    )
+    serve.add_argument(
+        "--disk-capacity", type=_capacity, metavar="SIZE", help="the disk tier's size, e.g. 100GiB"
+    )
+    serve.add_argument(
+        "--disk-reads",
+        choices=DISK_READS,
+        help="a chunk on disk only is read layer by layer from its file by the client "
+        "(layerwise, the default) or copied into DRAM first (promote)",
+    )
+    serve.add_argument(
         "--metrics-port",
         type=_port,
         metavar="PORT",
@@ -236,6 +255,12 @@ def _serve(args: argparse.Namespace) -> int:
             server.start()
         except PoolRunningError:
             return _already_running(config, set(given), args.detach)
+        except ConfigError as exc:  # named as the option that set it
+            if not exc.argument.startswith("disk_"):
+                raise
+            option = "--" + exc.argument.replace("_", "-")
+            print(f"kvflow serve: {option} {exc.value}: {exc.reason}", file=sys.stderr)
+            return 2
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())
         print(f"kvflow pool: serving {config.size} bytes on {config.socket} (pid {os.getpid()})")
@@ -286,7 +311,8 @@ def _stats(args: argparse.Namespace) -> int:
         return 0
     print(f"kvflow pool on {path} (pid {read_pid(path) or '?'})")
     for name, value in stats.items():
-        shown = f"{value:,}" if name not in ("capacity", "used") else _size(value)
+        sized = ("capacity", "used", "disk_capacity", "disk_used")
+        shown = _size(value) if name in sized else f"{value:,}"
         print(f"  {name:24s} {shown}")
     return 0
 

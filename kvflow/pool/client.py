@@ -62,6 +62,7 @@ class PoolConnection:
         self.retired = False
         self.pinned = False
         self.features = 0  # what the server understands beyond the first ops (protocol.Feature)
+        self.disk_root = ""  # the disk tier's folder, where this client may read it (DISK)
         self._unpin: Callable[[], None] | None = None
         self._next_id = 1
         _check_directory(path, trusted_uids)
@@ -76,6 +77,10 @@ class PoolConnection:
         try:
             _check_peer(sock, path, trusted_uids)
             self.hello = self._greet(populate, reuse)
+            if self.features & p.Feature.DISK:
+                code, root = self.request(p.Op.DISK)
+                if code == p.Code.OK:
+                    self.disk_root = root.decode("utf-8", "replace")
             if self._unpin is None:  # a mapping taken over (``reuse``) keeps its pin
                 self._unpin = pin_host(self.base, self.capacity, pin)
                 self.pinned = self._unpin is not None

@@ -7,7 +7,7 @@ built; plain values, safe to share between threads.
 
 from __future__ import annotations
 
-from kvflow.fields import Config, count, flag, path, seconds, size, uids
+from kvflow.fields import Config, choice, count, flag, path, seconds, size, uids
 from kvflow.pool.paths import default_socket, socket_too_long
 from kvflow.stores.arena import SLOT_ALIGN
 
@@ -24,6 +24,7 @@ DEFAULT_CAPACITY = "1GiB"
 DEFAULT_LEASE_TTL_S = 300.0
 DEFAULT_MAX_CLIENTS = 256
 DEFAULT_IDLE_TIMEOUT_S = 60.0
+DISK_READS = ("layerwise", "promote")  # how a disk hit is loaded (``kvflow.pool.tier``)
 
 
 def _permission_bits(mode: int) -> str | None:
@@ -44,6 +45,13 @@ class PoolConfig(Config):
         idle_timeout_s: a connection that holds no session (no pending write, no read lease)
             and sends nothing for this long is closed, so that idle or stuck peers cannot keep
             others out. A SharedStore reconnects on its next call, without failing it.
+        disk_dir: a folder for the disk tier (``kvflow.pool.tier``); empty: DRAM only. What
+            it holds is served again after a restart.
+        disk_capacity: the disk tier's bytes at most (needed with ``disk_dir``); checked
+            against the free space of its filesystem at start.
+        disk_reads: how a client loads a chunk found on disk only: ``layerwise`` (each layer
+            read from the file into the destination while earlier layers compute, the chunk
+            promoted into DRAM in the background) or ``promote`` (copied into DRAM first).
     """
 
     socket: str = path(default="", absolute=True, when_empty=default_socket, check=socket_too_long)
@@ -53,6 +61,9 @@ class PoolConfig(Config):
     socket_mode: int = count(default=0o600, low=0, check=_permission_bits)
     max_clients: int = count(default=DEFAULT_MAX_CLIENTS)
     idle_timeout_s: float = seconds(default=DEFAULT_IDLE_TIMEOUT_S)
+    disk_dir: str = path(default="", absolute=True)
+    disk_capacity: int | str = size(default=0)
+    disk_reads: str = choice(DISK_READS, default="layerwise")
 
     @property
     def size(self) -> int:
@@ -79,6 +90,8 @@ class SharedStoreConfig(Config):
             uid and the socket directory's owner are checked at every connect).
         pin: page-lock this process's mapping of the arena for GPU copies (``kvflow.copying.cuda``):
             ``None`` when a CUDA GPU is present, ``True`` always, ``False`` never.
+        disk_dir, disk_capacity, disk_reads: the disk tier of a server this client starts
+            (``PoolConfig``'s).
     """
 
     socket: str = path(default="", absolute=True, when_empty=default_socket, check=socket_too_long)
@@ -91,6 +104,16 @@ class SharedStoreConfig(Config):
     populate: bool = flag(default=False)
     server_uids: tuple[int, ...] = uids(default=())
     pin: bool | None = flag(default=None, also=(None,))
+    disk_dir: str = path(default="", absolute=True)
+    disk_capacity: int | str = size(default=0)
+    disk_reads: str = choice(DISK_READS, default="layerwise")
 
     def server_config(self) -> PoolConfig:
-        return PoolConfig(socket=self.socket, capacity=self.capacity, lease_ttl_s=self.lease_ttl_s)
+        return PoolConfig(
+            socket=self.socket,
+            capacity=self.capacity,
+            lease_ttl_s=self.lease_ttl_s,
+            disk_dir=self.disk_dir,
+            disk_capacity=self.disk_capacity,
+            disk_reads=self.disk_reads,
+        )

@@ -1,9 +1,6 @@
 """DiskObjects: a pool's objects (chunks) as files on a local disk, found again after a restart.
 
-The files are ``DIR/kvflow-disk-v1/objects/<2 hex>/<32 hex>.kvo``, their format is
-``kvflow.pool.diskfiles``'s: a header (the key, the payload's size, crc32 checksums over
-ranges the caller chooses, one per layer of a chunk), then the payload at a 4096-aligned offset.
-
+Files and their format: ``kvflow.pool.diskfiles`` (the caller chooses the checksum ranges).
 Puts are atomic (``kvflow.pool.diskfiles.write_object``). At start leftover ``.tmp`` files are
 removed, each header is checked (magic, version, header crc, the key's hash against the file's
 name, the file's size), invalid files are deleted, and the valid objects are indexed, least
@@ -16,8 +13,8 @@ order leave a prefix's head newer than its tail, so its tail is evicted first. A
 key the most recently used (stored or already there); reads do not reorder.
 
 Thread-safe: one lock guards the index and the counters, and no file I/O runs under it (only
-the rate-limited log lines are written under it). A key
-being written, read or deleted is marked so: eviction and ``remove`` leave a key being read or
+the rate-limited log lines are written under it). A key being written, read or deleted is
+marked so: eviction and ``remove`` leave a key being read or
 written alone, and a ``put`` of a key being written or deleted writes nothing and returns
 False. Every call blocks for its own I/O only. I/O trouble is never raised: put and read return
 False, count it and log one line per kind of trouble a minute.
@@ -32,7 +29,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -47,8 +44,9 @@ from kvflow.pool.diskfiles import (
     check_ranges,
     encode,
     list_files,
+    lock_folder,
     mismatch,
-    object_name,
+    object_path,
     read_header,
     read_into,
     unlink_quietly,
@@ -118,6 +116,7 @@ class DiskObjects:
         for path in (self._root, os.path.dirname(self._root)):
             os.makedirs(path, mode=0o700, exist_ok=True)
             os.chmod(path, 0o700)
+        self._lock_fd = lock_folder(os.path.join(os.path.dirname(self._root), "lock"), directory)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, ObjectHeader] = OrderedDict()  # least recently used first
         self._readers: Counter[str] = Counter()
@@ -141,6 +140,18 @@ class DiskObjects:
             self._counts["misses"] += len(keys) - int(found.sum())
         return found
 
+    def sizes(self, keys: Sequence[str]) -> np.ndarray:
+        """The payload size of each of ``keys`` (0 where not stored); no touch, not counted."""
+        with self._lock:
+            self._check_open()
+            index = self._index
+            return np.array([index[k].payload if k in index else 0 for k in keys], np.int64)
+
+    @property
+    def root(self) -> str:
+        """The folder of the object files (a key's file: ``diskfiles.object_path``)."""
+        return self._root
+
     def touch(self, keys: Sequence[str]) -> None:
         """Make the stored ``keys`` the most recently used, touched last to first: keys named
         in prefix order leave the head newer than the tail, and eviction takes tails first."""
@@ -149,18 +160,19 @@ class DiskObjects:
             self._touch(keys)
 
     def stats(self) -> DiskStats:
+        counted = [f.name for f in fields(DiskStats)][3:]
         with self._lock:
             c = self._counts
-            return DiskStats(
-                len(self._index), self._used, self.capacity, c["hits"], c["misses"],
-                c["reads"], c["read_bytes"], c["writes"], c["write_bytes"], c["evictions"],
-                c["io_errors"], c["no_space"], c["corrupt"], c["recovered"], c["discarded"],
-            )  # fmt: skip
+            return DiskStats(len(self._index), self._used, self.capacity, *(c[n] for n in counted))
 
     def close(self) -> None:
-        """Refuse further calls (ClosedError); calls under way finish. Nothing is held open."""
+        """Refuse further calls (ClosedError); calls under way finish. The folder's lock is
+        released (another DiskObjects may open it)."""
         with self._lock:
             self._closed = True
+            fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -383,5 +395,4 @@ class DiskObjects:
             raise ClosedError("the disk tier")
 
     def _path(self, key: str) -> str:
-        name = object_name(key)
-        return os.path.join(self._root, name[:2], name + SUFFIX)
+        return object_path(self._root, key)

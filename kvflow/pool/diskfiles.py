@@ -18,7 +18,8 @@ hash of its key (the first two hex digits are its subdirectory); a directory of 
 
 A range's crc32 is that of its bytes started from the crc32 of the key (``zlib.crc32(bytes,
 crc32(key))``), so a file put under another key's name fails its checks too. The writer chooses
-the ranges (one per layer of a chunk): a reader reads whole ranges and verifies each one.
+the ranges (the pool server: ``granules``, 16 KiB each): a reader reads whole ranges and
+verifies each one, so reading any span costs at most a range more on either side.
 
 ``write_object`` writes ``<32 hex>.tmp`` beside the object, ``fdatasync``s it and renames it
 into place, so a kill or a power loss leaves the whole object or none (the directory is not
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import hashlib
 import os
 import struct
@@ -37,11 +39,12 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvflow.errors import InvalidArgumentError
+from kvflow.errors import ConfigError, InvalidArgumentError
 
 __all__ = [
     "FORMAT_DIR",
     "FORMAT_VERSION",
+    "GRANULE",
     "HEAD",
     "PAGE",
     "SUFFIX",
@@ -50,10 +53,14 @@ __all__ = [
     "check_ranges",
     "decode",
     "encode",
+    "granules",
     "header_size",
     "list_files",
+    "lock_folder",
     "mismatch",
     "object_name",
+    "object_path",
+    "open_object",
     "read_header",
     "read_into",
     "unlink_quietly",
@@ -66,6 +73,7 @@ SUFFIX = ".kvo"
 TMP = ".tmp"
 PAGE = 4096
 HEAD = PAGE  # what a reader reads first: the whole header, unless it has very many ranges
+GRANULE = 16 << 10  # the pool server's checksum ranges (``granules``)
 MAX_KEY = 0xFFFF  # utf-8 bytes
 _MAX_HEADER = 1 << 20
 _MAGIC = b"KVFD"
@@ -95,10 +103,30 @@ class ObjectHeader:
             raise InvalidArgumentError("length", length, "must end a checksum range")
         return self.ranges[first : last + 1]
 
+    def spanning(self, offset: int, length: int) -> tuple[int, int]:
+        """The whole ranges that payload bytes ``[offset, offset + length)`` touch, as one
+        span: (its offset, its length). The bytes must lie inside the payload."""
+        starts = [r[0] for r in self.ranges]
+        first = bisect.bisect_right(starts, offset) - 1
+        last = bisect.bisect_left(starts, offset + length) - 1
+        start = self.ranges[first][0]
+        return start, sum(self.ranges[last][:2]) - start
+
+
+def granules(size: int) -> list[tuple[int, int]]:
+    """Checksum ranges of GRANULE bytes (the last one shorter) tiling ``size`` bytes."""
+    return [(at, min(GRANULE, size - at)) for at in range(0, size, GRANULE)]
+
 
 def object_name(key: str) -> str:
     """The file name of ``key``'s object, without its suffix (32 hex digits)."""
     return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+def object_path(root: str, key: str) -> str:
+    """The path of ``key``'s object file under ``root`` (the ``objects`` folder)."""
+    name = object_name(key)
+    return os.path.join(root, name[:2], name + SUFFIX)
 
 
 def check_ranges(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
@@ -247,6 +275,36 @@ def read_header(path: str, size: int) -> tuple[str, ObjectHeader]:
         return decode(first if needed <= len(first) else os.pread(fd, needed, 0), name, size)
     finally:
         os.close(fd)
+
+
+def open_object(path: str, key: str) -> tuple[int, ObjectHeader]:
+    """Open the object file ``path`` of ``key`` for reading: its descriptor (the caller closes
+    it) and header. ValueError if the file is not a valid object of ``key``; OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        first = os.pread(fd, HEAD, 0)
+        needed = header_size(first)
+        data = first if needed <= len(first) else os.pread(fd, needed, 0)
+        found, header = decode(data, os.path.basename(path)[: -len(SUFFIX)], size)
+        if found != key:
+            raise ValueError(f"the file holds {found!r}, not {key!r}")
+        return fd, header
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def lock_folder(path: str, directory: str | os.PathLike[str]) -> int:
+    """An exclusive lock on ``path`` (its descriptor), or ConfigError naming ``disk_dir``:
+    two pools writing one folder would delete each other's files."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError("disk_dir", directory, "is in use by another pool") from None
+    return fd
 
 
 def list_files(root: str, suffix: str) -> list[tuple[str, int, int]]:

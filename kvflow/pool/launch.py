@@ -63,6 +63,12 @@ def serve_command(config: PoolConfig, *extra: str) -> list[str]:
         *("--socket-mode", f"{config.socket_mode:04o}", "--max-clients", str(config.max_clients)),
         *("--idle-timeout", repr(float(config.idle_timeout_s))),
         *(arg for uid in config.allow_uids for arg in ("--allow-uid", str(uid))),
+        *(
+            ("--disk-dir", config.disk_dir, "--disk-capacity", str(int(config.disk_capacity)))
+            if config.disk_dir
+            else ()
+        ),
+        *("--disk-reads", config.disk_reads),
         *extra,
     ]
 
@@ -143,12 +149,14 @@ class RunningPool:
     max_clients: int
     idle_timeout_s: float
     socket_mode: int
+    disk_capacity: int = 0  # 0: no disk tier
 
     def describe(self) -> str:
+        disk = f", disk tier {_size(self.disk_capacity)}" if self.disk_capacity else ""
         return (
             f"pid {self.pid or '?'}, capacity {_size(self.capacity)}, lease TTL "
             f"{self.lease_ttl_s:g} s, max {self.max_clients} clients, idle timeout "
-            f"{self.idle_timeout_s:g} s, socket mode {self.socket_mode:04o}"
+            f"{self.idle_timeout_s:g} s, socket mode {self.socket_mode:04o}{disk}"
         )
 
 
@@ -176,6 +184,7 @@ def running_pool(path: str, timeout_s: float = 5.0) -> RunningPool:
         max_clients=stats.get("max_clients", 0),
         idle_timeout_s=stats.get("idle_timeout_ms", 0) / 1000,
         socket_mode=mode,
+        disk_capacity=stats.get("disk_capacity", 0),
     )
 
 
@@ -191,6 +200,8 @@ def differences(config: PoolConfig, running: RunningPool, asked: Collection[str]
         ("idle_timeout_s", "idle timeout", ms(config.idle_timeout_s), ms(running.idle_timeout_s),
          _seconds),
         ("socket_mode", "socket mode", config.socket_mode, running.socket_mode, "{:04o}".format),
+        ("disk_capacity", "disk capacity", int(config.disk_capacity), running.disk_capacity,
+         _size),
     )  # fmt: skip
     return [
         f"{name} {show(want)} asked, {show(have)} running"

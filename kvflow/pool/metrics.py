@@ -71,6 +71,50 @@ METRICS = (
         "Idle connections are closed after this long.",
         1e-3,
     ),
+    Metric("disk_capacity", "kvflow_pool_disk_capacity_bytes", "gauge", "The disk tier's size."),
+    Metric("disk_used", "kvflow_pool_disk_used_bytes", "gauge", "Bytes of the disk tier's files."),
+    Metric("disk_objects", "kvflow_pool_disk_objects", "gauge", "Objects in the disk tier."),
+    Metric("disk_hits", "kvflow_pool_disk_hits", "counter", "Lookups found on disk only."),
+    Metric(
+        "disk_reads_served",
+        "kvflow_pool_disk_reads_served",
+        "counter",
+        "Objects clients read from the disk tier's files.",
+    ),
+    Metric("demotions", "kvflow_pool_demotions", "counter", "Objects copied down to disk."),
+    Metric("demotion_bytes", "kvflow_pool_demoted_bytes", "counter", "Bytes copied down to disk."),
+    Metric(
+        "demotions_skipped",
+        "kvflow_pool_demotions_skipped",
+        "counter",
+        "Commits not copied to disk (queue full, or evicted before their turn).",
+    ),
+    Metric("promotions", "kvflow_pool_promotions", "counter", "Objects copied up into DRAM."),
+    Metric(
+        "promotion_bytes", "kvflow_pool_promoted_bytes", "counter", "Bytes copied up into DRAM."
+    ),
+    Metric(
+        "promotions_failed",
+        "kvflow_pool_promotions_failed",
+        "counter",
+        "Promotions that found no room or a bad file.",
+    ),
+    Metric("disk_evictions", "kvflow_pool_disk_evictions", "counter", "Objects evicted from disk."),
+    Metric("disk_io_errors", "kvflow_pool_disk_io_errors", "counter", "Disk I/O errors."),
+    Metric("disk_no_space", "kvflow_pool_disk_no_space", "counter", "Disk writes that hit ENOSPC."),
+    Metric(
+        "disk_corrupt",
+        "kvflow_pool_disk_corrupt",
+        "counter",
+        "Disk objects dropped: a checksum failed, a file was short or gone.",
+    ),
+    Metric("disk_recovered", "kvflow_pool_disk_recovered", "gauge", "Disk objects found at start."),
+    Metric(
+        "disk_dropped_by_clients",
+        "kvflow_pool_disk_dropped_by_clients",
+        "counter",
+        "Disk objects deleted after a client found them bad.",
+    ),
 )
 
 

@@ -25,6 +25,14 @@ Requests (and their reply bodies):
     LOOKUP_CTX    keys, context keys           -> as LOOKUP       (Feature.CONTEXT)
     OPEN_WRITE_CTX  u64 nbytes, keys, context keys -> as OPEN_WRITE (Feature.CONTEXT)
     OPEN_READ_CTX keys, context keys           -> as OPEN_READ    (Feature.CONTEXT)
+    DISK          (empty)                      -> UTF-8 folder of the disk tier's objects
+                                                  (Feature.DISK; empty: not for this client)
+    DISK_DROP     keys                         -> (empty); their disk objects failed a client's
+                                                  checks: the server deletes them (Feature.DISK)
+
+A client that asked DISK and got a folder sees the disk tier from then on: LOOKUP finds its
+objects too, and OPEN_READ answers flag 2 for a key whose object is on disk only (offset 0,
+its payload's size; no lease: the client reads the file itself, ``kvflow.pool.diskfiles``).
 
 The ``_CTX`` ops also name the chunks before their keys (the prefix context of
 ``kvflow.stores.base``): the server only touches those for its eviction order, after the call's
@@ -118,6 +126,23 @@ STATS_FIELDS = (
     "idle_closed",
     "max_clients",
     "idle_timeout_ms",
+    "disk_capacity",
+    "disk_used",
+    "disk_objects",
+    "disk_hits",
+    "disk_reads_served",
+    "demotions",
+    "demotion_bytes",
+    "demotions_skipped",
+    "promotions",
+    "promotion_bytes",
+    "promotions_failed",
+    "disk_evictions",
+    "disk_io_errors",
+    "disk_no_space",
+    "disk_corrupt",
+    "disk_recovered",
+    "disk_dropped_by_clients",
 )  # new fields go last: a client reads as many as it knows
 
 
@@ -133,15 +158,19 @@ class Op(enum.IntEnum):
     LOOKUP_CTX = 9  # Feature.CONTEXT
     OPEN_WRITE_CTX = 10
     OPEN_READ_CTX = 11
+    DISK = 12  # Feature.DISK
+    DISK_DROP = 13
 
 
 class Feature(enum.IntFlag):
     """What a server understands beyond the first ops; named in its HELLO reply's flags."""
 
     CONTEXT = 1  # the _CTX ops
+    DISK = 2  # a disk tier, read by clients that ask DISK
 
 
-FEATURES = Feature.CONTEXT  # this server's
+FEATURES = Feature.CONTEXT  # this server's (Feature.DISK too where it has a disk tier)
+ON_DISK = 2  # OPEN_READ's flag for a key on disk only
 
 
 class Code(enum.IntEnum):
@@ -250,7 +279,7 @@ def decode_request(op: int, body: bytes) -> Request:
     r = Reader(body)
     if kind == Op.HELLO:
         req = Request(kind, pid=r.u32("pid"))
-    elif kind in (Op.LOOKUP, Op.OPEN_READ):
+    elif kind in (Op.LOOKUP, Op.OPEN_READ, Op.DISK_DROP):
         req = Request(kind, keys=r.keys())
     elif kind in (Op.LOOKUP_CTX, Op.OPEN_READ_CTX):
         req = Request(kind, keys=r.keys(), context=r.keys())

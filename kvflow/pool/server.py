@@ -44,7 +44,8 @@ from kvflow.pool.config import (
     DEFAULT_MAX_CLIENTS,
     PoolConfig,
 )
-from kvflow.pool.memory import make_arena
+from kvflow.pool.disk import DiskObjects
+from kvflow.pool.memory import make_arena, map_shared, unmap
 from kvflow.pool.paths import ensure_private_directory, sibling
 from kvflow.pool.service import Connection, PoolService, reason
 from kvflow.stores.hostmem import check_capacity
@@ -96,6 +97,7 @@ class PoolServer:
         self._listener: socket.socket | None = None
         self._lock_fd = -1
         self._arena_fd = -1
+        self._arena_addr = 0  # this process's mapping of the arena (for the disk tier)
 
     @property
     def socket_path(self) -> str:
@@ -110,8 +112,16 @@ class PoolServer:
         self._lock_fd = _take_lock(sibling(path, ".lock"))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         bound = False
+        disk = None
         try:
+            if self.config.disk_dir:  # after the lock: a running server's files are its own
+                disk = DiskObjects(self.config.disk_dir, self.config.disk_capacity)
             self._arena_fd = make_arena(self.config.size)
+            if disk is not None:
+                self._arena_addr = map_shared(self._arena_fd, self.config.size, populate=False)
+                self.service = PoolService(
+                    self.config, instance=self.instance, disk=disk, arena=self._arena_addr
+                )
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # a dead server's socket: we hold the lock, so it is stale
             old = os.umask(0o177)
@@ -125,6 +135,9 @@ class PoolServer:
             _write_private(sibling(path, ".pid"), f"{os.getpid()}\n")
         except BaseException:
             listener.close()
+            self.service.close()
+            if disk is not None:
+                disk.close()
             if bound:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
@@ -165,6 +178,7 @@ class PoolServer:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
+        self.service.close()
         self._release_files()
         log.info("kvflow pool: stopped")
 
@@ -311,6 +325,9 @@ class PoolServer:
             for stale in (path, sibling(path, ".pid")):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
+        if self._arena_addr:
+            unmap(self._arena_addr, self.config.size)
+            self._arena_addr = 0
         if self._arena_fd >= 0:
             os.close(self._arena_fd)
             self._arena_fd = -1

@@ -15,6 +15,13 @@ requests (HELLO first and once; BYE releases its sessions before the reply), ``d
 when it ends (again after BYE is harmless). The service keeps the counters ``stats`` reports,
 the admission counts the server tells it (``count``) among them.
 
+With a disk tier (``kvflow.pool.tier``), a connection that asks DISK (and runs as the
+server's uid: the files are the server's, mode 0600) sees both tiers: LOOKUP finds what either
+holds, and OPEN_READ answers a key on disk only with ``ON_DISK`` for the client to read the
+file (``disk_reads`` layerwise, promoted meanwhile), or promotes it first (``promote``).
+Commits are queued for disk as they happen; no disk I/O runs in a request but a ``promote``
+read's and DISK_DROP's, and never under the lock.
+
 Concurrency: thread-safe. Each connection's calls come from one thread; any number of
 connections and the lease thread call at once. One lock guards the index, the sessions, the
 leases and the counters, held while one request is applied (microseconds per key). Nothing
@@ -25,6 +32,7 @@ gives another), so lease expiry is driven by whoever calls ``expire``.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -38,6 +46,8 @@ from kvflow import trace
 from kvflow.errors import InvalidArgumentError, ProtocolError
 from kvflow.pool import protocol as p
 from kvflow.pool.config import PoolConfig
+from kvflow.pool.disk import DiskObjects
+from kvflow.pool.tier import DiskTier
 from kvflow.stores.arena import ArenaIndex
 from kvflow.stores.base import WriteStatus
 
@@ -66,6 +76,7 @@ class Connection:
     sessions: set[int] = field(default_factory=set)  # handles this connection opened
     expired: set[int] = field(default_factory=set)  # its read sessions the reaper released
     greeted: bool = False  # HELLO came
+    disk: bool = False  # asked DISK and may read the disk tier's files
 
 
 class Reply(NamedTuple):
@@ -82,7 +93,9 @@ class Reply(NamedTuple):
 class PoolService:
     """The pool's index, sessions, leases and counters for ``config`` (its capacity, lease
     limit; ``max_clients`` and ``idle_timeout_s`` only to report them). ``instance`` tells this
-    server from a restarted one on the same path (random unless given)."""
+    server from a restarted one on the same path (random unless given). ``disk``: the disk
+    tier's objects, under the arena mapped at ``arena`` in this process (``close`` closes
+    them)."""
 
     def __init__(
         self,
@@ -90,6 +103,8 @@ class PoolService:
         *,
         instance: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        disk: DiskObjects | None = None,
+        arena: int = 0,
     ) -> None:
         self.config = config
         self.instance = secrets.randbits(63) if instance is None else instance
@@ -100,6 +115,16 @@ class PoolService:
         self._deadlines: dict[int, float] = {}  # read handle -> expiry (on ``clock``)
         self._owner: dict[int, Connection] = {}  # read handle -> its connection
         self._counters = dict.fromkeys(COUNTERS, 0)
+        self.tier: DiskTier | None = None
+        self.features = p.FEATURES
+        if disk is not None:
+            self.tier = DiskTier(disk, self._index, self._lock, arena, reads=config.disk_reads)
+            self.features |= p.Feature.DISK
+
+    def close(self) -> None:
+        """Stop the disk tier's threads (a copy under way finishes) and close its objects."""
+        if self.tier is not None:
+            self.tier.close()
 
     # -- connections --------------------------------------------------------------------------
 
@@ -152,6 +177,8 @@ class PoolService:
             max_clients=self.config.max_clients,
             idle_timeout_ms=round(self.config.idle_timeout_s * 1000),
         )
+        tier = self.tier.stats() if self.tier is not None else {}
+        values.update({name: tier.get(name, 0) for name in p.STATS_FIELDS if name not in values})
         return values
 
     # -- leases -------------------------------------------------------------------------------
@@ -200,10 +227,14 @@ class PoolService:
             conn.greeted = True
             ttl_ms = int(self.config.lease_ttl_s * 1000)
             hello = p.hello_reply(p.Hello(self.config.size, self.instance, ttl_ms))
-            return Reply(p.Code.OK, hello, flags=p.FEATURES, arena=True)
+            return Reply(p.Code.OK, hello, flags=self.features, arena=True)
         if request.op == p.Op.BYE:  # its slot is free before it hears so
             self.disconnect(conn)
             return Reply(p.Code.OK, last=True)
+        if request.op in (p.Op.DISK, p.Op.DISK_DROP):
+            return self._disk_request(conn, request)
+        if request.op in (p.Op.OPEN_READ, p.Op.OPEN_READ_CTX):
+            self._promote_first(conn, request)
         begun = trace.now() if trace.ENABLED else 0
         try:
             with self._lock:
@@ -217,11 +248,37 @@ class PoolService:
                 name = f"pool.{request.op.name.lower()}"
                 trace.complete(name, begun, "pool", client=conn.pid, keys=len(request.keys))
 
+    def _disk_request(self, conn: Connection, req: p.Request) -> Reply:
+        """DISK: the tier's folder, to a client of the server's uid (empty to others);
+        DISK_DROP: delete objects a client found bad."""
+        tier = self.tier
+        if tier is None:
+            raise ProtocolError(f"op {req.op!r} needs a disk tier")
+        if req.op == p.Op.DISK_DROP:
+            tier.drop(req.keys)
+            return Reply(p.Code.OK)
+        with self._lock:
+            conn.disk = conn.uid == os.getuid()
+        return Reply(p.Code.OK, reason(tier.disk.root) if conn.disk else b"")
+
+    def _promote_first(self, conn: Connection, req: p.Request) -> None:
+        """``disk_reads`` promote: copy the keys on disk only into DRAM before the read."""
+        tier = self.tier
+        if tier is None or not conn.disk or tier.reads != "promote":
+            return
+        with self._lock:
+            keys = [k for k in req.keys if not self._index.holds(k)]
+        tier.promote(keys)
+
     def _apply(self, conn: Connection, req: p.Request) -> tuple[p.Code, bytes]:
         """One data request. Holds _lock."""
         index = self._index
+        tier = self.tier if conn.disk else None
         if req.op in (p.Op.LOOKUP, p.Op.LOOKUP_CTX):
-            return p.Code.OK, p.flags_reply(index.lookup(req.keys, req.context))
+            found = index.lookup(req.keys, req.context)
+            if tier is not None:
+                found |= tier.lookup(req.keys, found, req.context, hits=True)
+            return p.Code.OK, p.flags_reply(found)
         if req.op in (p.Op.OPEN_WRITE, p.Op.OPEN_WRITE_CTX):
             handle, offsets, status = index.open_write(req.keys, req.nbytes, req.context)
             conn.sessions.add(handle)
@@ -232,12 +289,22 @@ class PoolService:
             conn.sessions.add(handle)
             self._deadlines[handle] = self._clock() + self.config.lease_ttl_s
             self._owner[handle] = conn
-            return p.Code.OK, p.session_reply(handle, offsets, sizes, found)
+            flags = found.astype(np.uint8)
+            if tier is not None:
+                on_disk = tier.lookup(req.keys, found, req.context, hits=False)
+                if on_disk.any():
+                    sizes = np.where(on_disk, tier.sizes(req.keys), sizes)
+                    on_disk &= sizes > 0
+                    flags[on_disk] = p.ON_DISK
+                    tier.served([k for k, d in zip(req.keys, on_disk, strict=True) if d])
+            return p.Code.OK, p.session_reply(handle, offsets, sizes, flags)
         if req.op == p.Op.FINISH_WRITE:
             if req.handle not in conn.sessions or req.handle in self._deadlines:
                 return p.Code.UNKNOWN_SESSION, b""
             assert req.flags is not None
-            index.finish_write(req.handle, req.flags)
+            committed = index.finish_write(req.handle, req.flags)
+            if self.tier is not None and committed:
+                self.tier.committed(*zip(*committed, strict=True))
             conn.sessions.discard(req.handle)
             return p.Code.OK, b""
         if req.op == p.Op.CLOSE_READ:

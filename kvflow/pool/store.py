@@ -8,6 +8,7 @@ LocalStore. The connection (reconnects, sessions, copies in flight) is ``kvflow.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -18,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from kvflow.copying.host import NATIVE, copy_ranges
-from kvflow.errors import InvalidArgumentError, StoreError, StoreUnavailableError
+from kvflow.errors import InvalidArgumentError, KVFlowError, StoreError, StoreUnavailableError
 from kvflow.pool import protocol as p
 from kvflow.pool.client import PoolConnection, query_stats
 from kvflow.pool.config import SharedStoreConfig
+from kvflow.pool.diskread import DiskReads
 from kvflow.pool.link import ClientSession, PoolLink
 from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
 from kvflow.stores.regions import LocalRegions
@@ -57,6 +59,11 @@ class SharedStore(Store):
     KV caches on a CUDA GPU are copied by the GPU (``kvflow.devices.CudaDevice``); this
     process's mapping of the arena is pinned for that when a GPU is present (``pin``).
 
+    A chunk the pool's disk tier holds (``kvflow serve --disk-dir``) and its DRAM does not is
+    read from its file by this client, layer by layer, and verified before use
+    (``kvflow.pool.diskread``); one that fails its checks is a failed chunk, and the pool is
+    told to delete it.
+
     The pool evicts a prefix's tail before its head, and takes context
     (the ``*_with_context`` calls; a server of an earlier release that does not is sent the plain
     calls).
@@ -77,6 +84,8 @@ class SharedStore(Store):
         self._native_copy = NATIVE
         self._regions = LocalRegions()
         self._link = PoolLink(self.config)
+        self._disk = DiskReads()
+        self._disk_sessions: dict[int, list[int]] = {}  # read session -> its disk objects
         try:
             with self._link.lock:
                 self._link.connected()
@@ -161,20 +170,31 @@ class SharedStore(Store):
             ctx = (p.Op.OPEN_READ_CTX, p.keys_context_body(keys, context)) if context else None
             conn, code, body = self._link.call(p.Op.OPEN_READ, p.encode_keys(keys), ctx=ctx)
             self._expect_ok(code, body, "open_read")
-            handle, offsets, sizes, found = p.parse_session(body, len(keys))
-            found = found.astype(bool)
-            addrs = np.where(found, offsets + conn.base, 0)
+            handle, offsets, sizes, flags = p.parse_session(body, len(keys))
+            leased = flags == 1
+            addrs = np.where(leased, offsets + conn.base, 0)
             ttl = conn.hello.lease_ttl_ms / 1000
             deadline = sent + ttl * (1 - _LEASE_MARGIN)
             local = self._link.add(
                 ClientSession(
-                    conn, handle, False, addrs[found], addrs[found] + sizes[found], deadline
+                    conn, handle, False, addrs[leased], addrs[leased] + sizes[leased], deadline
                 )
             )
+        found = leased.copy()
+        if conn.disk_root and (flags == p.ON_DISK).any():  # files: outside the link's lock
+            opened = []
+            for i in np.flatnonzero(flags == p.ON_DISK).tolist():
+                base = self._disk.open(conn.disk_root, keys[i])
+                if base is not None:
+                    addrs[i], found[i] = base, True
+                    opened.append(base)
+            self._disk_sessions[local] = opened
         return ReadSession(local, keys, addrs, found)
 
     def close_read(self, session: ReadSession) -> None:
+        self._disk.close(self._disk_sessions.pop(session.handle, ()))
         with self._link.lock:
+            self._drop_bad()
             s = self._link.pop(session.handle)
             if s is None:
                 return
@@ -195,13 +215,36 @@ class SharedStore(Store):
     ) -> np.ndarray:
         self._regions.check_call(pool_addrs, local_addrs, sizes, direction)
         reading = direction == Direction.FROM_POOL
+        on_disk = self._disk.tagged(pool_addrs) if reading else None
+        if on_disk is None:
+            return self._copy(pool_addrs, local_addrs, sizes, reading)
+        disk, arena = np.flatnonzero(on_disk), np.flatnonzero(~on_disk)
+        staged = self._disk.stage(pool_addrs[disk], sizes[disk])  # read and verified first
+        ok = staged.ok
+        extra = (local_addrs[disk][ok], staged.src[ok], sizes[disk][ok])
+        failed = self._copy(pool_addrs[arena], local_addrs[arena], sizes[arena], True, extra)
+        return np.sort(np.concatenate([arena[failed], disk[~ok]]))
+
+    def _copy(
+        self,
+        pool_addrs: np.ndarray,
+        local_addrs: np.ndarray,
+        sizes: np.ndarray,
+        reading: bool,
+        extra: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """Copy arena ranges; ``extra``: (dst, src, sizes) copied in the same call (staged
+        disk bytes: one call, as a CUDA device's copy allows). The arena ranges that failed."""
         with self._link.copying(pool_addrs, sizes, reading) as (conn, held, deadline):
             if conn.peer_gone():
                 held[:] = False
-            elif held.any():
-                dst, src = (local_addrs, pool_addrs) if reading else (pool_addrs, local_addrs)
-                if not held.all():
-                    dst, src, sizes = dst[held], src[held], sizes[held]
+            dst, src = (local_addrs, pool_addrs) if reading else (pool_addrs, local_addrs)
+            if not held.all():
+                dst, src, sizes = dst[held], src[held], sizes[held]
+            if extra is not None:
+                pairs = zip((dst, src, sizes), extra, strict=True)
+                dst, src, sizes = (np.concatenate(pair) for pair in pairs)
+            if len(sizes):
                 copy_ranges(dst, src, sizes, native=self._native_copy)
         lost = self._link.conn is not conn
         if reading and (lost or time.monotonic() >= deadline or conn.peer_gone()):
@@ -227,6 +270,23 @@ class SharedStore(Store):
         """Close the connection once the copies in flight are out (the server then releases
         this client's sessions); later calls raise ClosedError."""
         self._link.close()
+        for opened in list(self._disk_sessions.values()):
+            self._disk.close(opened)
+        self._disk_sessions.clear()
+
+    @property
+    def disk_reads(self) -> DiskReads:
+        """The disk tier's objects this client reads itself, and their counters."""
+        return self._disk
+
+    def _drop_bad(self) -> None:
+        """Tell the pool which disk objects failed this client's checks (best effort). Holds
+        the link's lock."""
+        bad = self._disk.take_bad()
+        conn = self._link.conn
+        if bad and conn is not None and conn.features & p.Feature.DISK:
+            with contextlib.suppress(KVFlowError):
+                self._link.call(p.Op.DISK_DROP, p.encode_keys(tuple(bad)), retry=False)
 
     def __repr__(self) -> str:
         link = self._link

@@ -107,6 +107,10 @@ class ArenaIndex:
         self.misses += len(keys) - hits
         return found
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is stored or being written; not counted, not touched."""
+        return key in self._entries
+
     def usage(self) -> StoreUsage:
         committed = self._objects
         return StoreUsage(
@@ -150,12 +154,13 @@ class ArenaIndex:
             status[i] = WriteStatus.GRANTED
         return self._open(session), offsets, status
 
-    def finish_write(self, handle: int, ok: np.ndarray) -> None:
+    def finish_write(self, handle: int, ok: np.ndarray) -> list[tuple[str, int]]:
         """Commit the granted keys whose flag (at the key's position in ``open_write``) is set;
         abort the others. An empty ``ok`` aborts everything. Every key of ``open_write`` is
         touched, last to first: the committed ones join the LRU, the existing ones move up; then
-        its context, last to first."""
+        its context, last to first. Returns the keys committed, with their sizes, in order."""
         session = self._close(handle, writing=True)
+        committed: list[tuple[str, int]] = []
         granted = len(session.keys) - 1
         for pos in range(len(session.named) - 1, -1, -1):
             if granted < 0 or session.positions[granted] != pos:
@@ -168,9 +173,12 @@ class ArenaIndex:
                 entry.committed = True
                 self._objects += 1
                 self._lru_of(entry)[key] = None
+                committed.append((key, entry.size))
             else:
                 self._drop(key)
         self._touch_all(session.context)
+        committed.reverse()
+        return committed
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -31,6 +31,9 @@ def test_defaults() -> None:
         "socket_mode": 0o600,
         "max_clients": 256,
         "idle_timeout_s": 60.0,
+        "disk_dir": "",
+        "disk_capacity": 0,
+        "disk_reads": "layerwise",
     }
     assert dataclasses.asdict(SharedStoreConfig()) == {
         "socket": SOCKET,
@@ -43,6 +46,9 @@ def test_defaults() -> None:
         "populate": False,
         "server_uids": (),
         "pin": None,
+        "disk_dir": "",
+        "disk_capacity": 0,
+        "disk_reads": "layerwise",
     }
 
 

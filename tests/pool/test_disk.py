@@ -53,10 +53,13 @@ def directory(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def open_disk(directory: Path) -> Iterator[Callable[..., DiskObjects]]:
-    """``open_disk(capacity)``: a DiskObjects on ``directory``; all are closed at the end."""
+    """``open_disk(capacity)``: a DiskObjects on ``directory`` (the one before is closed
+    first, as a server that restarts); all are closed at the end."""
     opened: list[DiskObjects] = []
 
     def make(capacity: int | str = "1MiB") -> DiskObjects:
+        for earlier in opened:
+            earlier.close()
         opened.append(DiskObjects(directory, capacity))
         return opened[-1]
 
