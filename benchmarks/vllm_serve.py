@@ -12,7 +12,11 @@ the shared pool it starts itself, here on a private socket via ``KVFLOW_POOL_SOC
 (vLLM's, on a master of its own) and ``kvflow_two_servers`` (two servers on one kvflow pool;
 requests alternate between them: a conversation's next turn goes to the other server). Rows
 run on request only: ``kvflow_chunkN``, the ``kvflow`` row with chunks of ``N`` tokens
-(``chunk_blocks`` = N / block size) instead of the default; ``floor``, vLLM's prefix cache alone
+(``chunk_blocks`` = N / block size) instead of the default; ``kvflow_small_pool``, the
+``kvflow`` row with a pool (DRAM) a quarter of the larger workload's KV, and
+``kvflow_small_pool_disk``, the same with a disk tier under it that holds the whole of it
+(``shared``'s ``disk_dir``, ``disk_capacity``: the pool it starts has them); ``floor``, vLLM's
+prefix cache alone
 with device KV for the whole working set and every running request beside it (what any
 connector could at best give: every prefix a device hit).
 
@@ -79,7 +83,7 @@ ROWS = (
     "mooncake_store_connector",
     "kvflow_two_servers",
 )
-ON_REQUEST = ("floor",)  # rows run only when named, besides kvflow_chunkN
+ON_REQUEST = ("floor", "kvflow_small_pool", "kvflow_small_pool_disk")  # and kvflow_chunkN
 CHUNK_ROW = re.compile(r"kvflow_chunk([1-9][0-9]*)")  # kvflow with chunks of that many tokens
 WORKLOADS = ("bench", "chat")
 VOCAB = 1024  # the random model's
@@ -119,6 +123,10 @@ class Shape:
         chat = self.system_len + self.conversations * (last - self.system_len)
         return {"device": self.num_blocks * self.block, "bench": bench, "chat": chat}
 
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of KV of ``tokens`` tokens (bfloat16, K and V, every layer)."""
+        return tokens * self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 2
+
     def floor_blocks(self) -> int:
         """Device KV for the ``floor`` row: either workload's working set, and the blocks of
         every request it can run at once beside it."""
@@ -155,13 +163,20 @@ def start_rows(
         transfer: dict[str, Any] | None = None
         count = 2 if row == "kvflow_two_servers" else 1
         chunk = CHUNK_ROW.fullmatch(row)
-        if row in ("kvflow", "kvflow_two_servers") or chunk:  # the pool starts itself
+        if row in ("kvflow", "kvflow_two_servers") or chunk or row.startswith("kvflow_small"):
             directory = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
             socket = f"{directory}/pool.sock"
             env["KVFLOW_POOL_SOCKET"] = socket
             stack.callback(shutil.rmtree, directory, ignore_errors=True)
             stack.callback(stop_pool, socket)  # first: callbacks run last to first
-            extra = {"chunk_blocks": int(chunk[1]) // shape.block} if chunk else {}
+            extra: dict[str, Any] = {"chunk_blocks": int(chunk[1]) // shape.block} if chunk else {}
+            if row.startswith("kvflow_small_pool"):  # the pool starts itself, so small
+                most = shape.kv_bytes(
+                    max(shape.working_set()["bench"], shape.working_set()["chat"])
+                )
+                extra["shared"] = {"capacity": max(most // 4, 1 << 20)}
+                if row.endswith("_disk"):
+                    extra["shared"].update(disk_dir=f"{directory}/disk", disk_capacity=2 * most)
             transfer = kvflow_transfer_config(extra)
         elif row == "kvflow_mooncake":
             master = stack.enter_context(MooncakeMaster()).address

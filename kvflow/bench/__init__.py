@@ -15,6 +15,7 @@ SCENARIOS: dict[str, str] = {
     "overhead": "kvflow.bench.overhead",
     "pool": "kvflow.bench.pool",
     "mooncake": "kvflow.bench.mooncake",
+    "disk": "kvflow.bench.disk",
 }
 
 __all__ = ["SCENARIOS"]

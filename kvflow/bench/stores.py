@@ -34,11 +34,13 @@ STORE_KINDS = ("local", "shared", "mooncake")
 
 
 @contextmanager
-def pool_server(capacity: int) -> Iterator[str]:
-    """A ``kvflow serve`` subprocess with ``capacity`` bytes; yields its socket path."""
+def pool_server(capacity: int, *extra: str) -> Iterator[str]:
+    """A ``kvflow serve`` subprocess with ``capacity`` bytes and ``extra`` options; yields its
+    socket path."""
     directory = tempfile.mkdtemp(prefix="kvflow-bench-")
     socket = f"{directory}/pool.sock"
     cmd = [sys.executable, "-m", "kvflow", "serve", "--socket", socket, "--capacity", str(capacity)]
+    cmd += extra
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until_serving(socket, 120.0, proc)

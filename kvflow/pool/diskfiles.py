@@ -58,6 +58,7 @@ __all__ = [
     "list_files",
     "lock_folder",
     "mismatch",
+    "object_header",
     "object_name",
     "object_path",
     "open_object",
@@ -270,26 +271,33 @@ def read_header(path: str, size: int) -> tuple[str, ObjectHeader]:
         raise ValueError("in another name's folder")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        first = os.pread(fd, HEAD, 0)
-        needed = header_size(first)
-        return decode(first if needed <= len(first) else os.pread(fd, needed, 0), name, size)
+        return decode(_head(fd), name, size)
     finally:
         os.close(fd)
 
 
+def _head(fd: int) -> bytes:
+    """The first bytes of an object file, as many as ``decode`` needs."""
+    first = os.pread(fd, HEAD, 0)
+    needed = header_size(first)
+    return first if needed <= len(first) else os.pread(fd, needed, 0)
+
+
+def object_header(fd: int, path: str, key: str) -> ObjectHeader:
+    """The header of the object file ``path``, open as ``fd``, which must hold ``key``.
+    ValueError if the file is not a valid object of ``key``; OSError."""
+    found, header = decode(_head(fd), os.path.basename(path)[: -len(SUFFIX)], os.fstat(fd).st_size)
+    if found != key:
+        raise ValueError(f"the file holds {found!r}, not {key!r}")
+    return header
+
+
 def open_object(path: str, key: str) -> tuple[int, ObjectHeader]:
     """Open the object file ``path`` of ``key`` for reading: its descriptor (the caller closes
-    it) and header. ValueError if the file is not a valid object of ``key``; OSError."""
+    it) and header (``object_header``)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        first = os.pread(fd, HEAD, 0)
-        needed = header_size(first)
-        data = first if needed <= len(first) else os.pread(fd, needed, 0)
-        found, header = decode(data, os.path.basename(path)[: -len(SUFFIX)], size)
-        if found != key:
-            raise ValueError(f"the file holds {found!r}, not {key!r}")
-        return fd, header
+        return fd, object_header(fd, path, key)
     except BaseException:
         os.close(fd)
         raise

@@ -115,6 +115,12 @@ METRICS = (
         "counter",
         "Disk objects deleted after a client found them bad.",
     ),
+    Metric(
+        "disk_queued",
+        "kvflow_pool_disk_queued",
+        "gauge",
+        "Objects waiting to be copied to or from disk, or being copied.",
+    ),
 )
 
 

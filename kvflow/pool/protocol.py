@@ -143,6 +143,7 @@ STATS_FIELDS = (
     "disk_corrupt",
     "disk_recovered",
     "disk_dropped_by_clients",
+    "disk_queued",
 )  # new fields go last: a client reads as many as it knows
 
 

@@ -192,6 +192,8 @@ class PoolService:
                 conn = self._owner.pop(handle)
                 del self._deadlines[handle]
                 self._index.close_read(handle)
+                if self.tier is not None:
+                    self.tier.ended(handle)
                 conn.sessions.discard(handle)
                 conn.expired.add(handle)
                 self._counters["expired_leases"] += 1
@@ -208,6 +210,8 @@ class PoolService:
             del self._deadlines[handle]
             del self._owner[handle]
             self._index.close_read(handle)
+            if self.tier is not None:
+                self.tier.ended(handle)
         else:
             self._index.finish_write(handle, np.zeros(0, dtype=bool))
 
@@ -296,7 +300,8 @@ class PoolService:
                     sizes = np.where(on_disk, tier.sizes(req.keys), sizes)
                     on_disk &= sizes > 0
                     flags[on_disk] = p.ON_DISK
-                    tier.served([k for k, d in zip(req.keys, on_disk, strict=True) if d])
+                    served = [k for k, d in zip(req.keys, on_disk, strict=True) if d]
+                    tier.served(handle, served)
             return p.Code.OK, p.session_reply(handle, offsets, sizes, flags)
         if req.op == p.Op.FINISH_WRITE:
             if req.handle not in conn.sessions or req.handle in self._deadlines:

@@ -182,9 +182,11 @@ class SharedStore(Store):
             )
         found = leased.copy()
         if conn.disk_root and (flags == p.ON_DISK).any():  # files: outside the link's lock
+            on_disk = np.flatnonzero(flags == p.ON_DISK).tolist()
             opened = []
-            for i in np.flatnonzero(flags == p.ON_DISK).tolist():
-                base = self._disk.open(conn.disk_root, keys[i])
+            for i, base in zip(
+                on_disk, self._disk.open(conn.disk_root, [keys[i] for i in on_disk]), strict=True
+            ):
                 if base is not None:
                     addrs[i], found[i] = base, True
                     opened.append(base)

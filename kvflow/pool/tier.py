@@ -14,8 +14,9 @@ A lookup sees both tiers (for the connections that read disk files: ``kvflow.poo
 A chunk on disk only is loaded per ``disk_reads``:
 
 * ``layerwise``: the client reads it from the file itself, layer by layer into its destination
-  while earlier layers compute (``kvflow.pool.diskread``), and the promoter thread copies the
-  chunk into DRAM meanwhile, so the next hit is a DRAM hit;
+  while earlier layers compute (``kvflow.pool.diskread``); once the read session ends, the
+  promoter thread copies the chunk into DRAM (from the page cache, as a rule), so the next hit
+  is a DRAM hit;
 * ``promote``: the server copies it into DRAM before answering the read (``promote``).
 
 Disk eviction keeps the DRAM tier's order: lookups and reads touch their keys on disk too,
@@ -74,7 +75,9 @@ class DiskTier:
         self._down: deque[tuple[str, int]] = deque()  # (key, size): to write
         self._up: deque[str] = deque()  # to promote
         self._queued = 0  # bytes in _down
+        self._pending = 0  # objects queued or being copied, either way
         self._promoting: set[str] = set()
+        self._after: dict[int, list[str]] = {}  # read session -> disk keys to promote at its end
         self._closed = False
         self.counts = dict.fromkeys(
             (
@@ -126,20 +129,33 @@ class DiskTier:
                     continue
                 self._down.append((key, size))
                 self._queued += size
+                self._pending += 1
             self._cond.notify_all()
 
-    def served(self, keys: Sequence[str]) -> None:
-        """Keys a client reads from disk: promote them into DRAM in the background. Holds the
-        lock."""
+    def served(self, handle: int, keys: Sequence[str]) -> None:
+        """Keys read session ``handle`` reads from disk: promoted into DRAM in the background
+        once it ends (``ended``), when their pages are fresh in the page cache and no longer
+        contend with the client's own reads. Holds the lock."""
         self.counts["disk_reads_served"] += len(keys)
+        self._after[handle] = list(keys)
+
+    def ended(self, handle: int) -> None:
+        """Read session ``handle`` ended (closed, expired, its client gone). Holds the lock."""
+        keys = self._after.pop(handle, None)
+        if not keys:
+            return
         with self._cond:
-            self._up.extend(k for k in keys if k not in self._promoting)
-            self._promoting.update(keys)
+            new = [k for k in dict.fromkeys(keys) if k not in self._promoting]
+            self._up.extend(new)
+            self._promoting.update(new)
+            self._pending += len(new)
             self._cond.notify_all()
 
     def stats(self) -> dict[str, int]:
         d = self.disk.stats()
         values = dict(self.counts)
+        with self._cond:
+            values["disk_queued"] = self._pending
         values.update(
             disk_capacity=d.capacity,
             disk_used=d.bytes,
@@ -194,6 +210,9 @@ class DiskTier:
                 self._write(key)
             except Exception:  # never let the thread die: the tier would stop silently
                 log.exception("disk tier: writing %r failed", key)
+            finally:
+                with self._cond:
+                    self._pending -= 1
 
     def _write(self, key: str) -> None:
         with self._lock:
@@ -222,6 +241,7 @@ class DiskTier:
             finally:
                 with self._cond:
                     self._promoting.discard(key)
+                    self._pending -= 1
 
     def _promote(self, key: str) -> bool:
         size = int(self.disk.sizes([key])[0])
