@@ -53,7 +53,7 @@ from kvflow.pool.diskfiles import (
     write_object,
 )
 
-__all__ = ["DiskObjects", "DiskStats"]
+__all__ = ["DiskObjects", "DiskStats", "check_folder"]
 
 log = logging.getLogger("kvflow.pool")
 
@@ -98,6 +98,40 @@ class _Warnings:
         log.warning("disk tier: %s%s", message, f" ({held} more since the last)" if held else "")
 
 
+def check_folder(directory: str | os.PathLike[str], capacity: int | str) -> int:
+    """``capacity`` in bytes, once checked as at start, creating nothing (ConfigError naming
+    ``disk_dir`` or ``disk_capacity``; see ``DiskObjects``)."""
+    size = parse_size(capacity, argument="disk_capacity")
+    folder = os.path.abspath(directory)
+    path = folder
+    while not os.path.lexists(path):  # the nearest existing ancestor must take the new dirs
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ConfigError("disk_dir", folder, f"{path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("disk_dir", folder, f"{path} is not writable")
+    others = sorted(
+        name
+        for name in (os.listdir(folder) if path == folder else ())
+        if name.startswith("kvflow-disk-") and name != FORMAT_DIR
+    )
+    if others:
+        log.info("disk tier: ignoring %s in %s (another disk format)", others, path)
+    if size < PAGE:
+        raise ConfigError("disk_capacity", size, f"must be at least {PAGE} bytes")
+    held = sum(n for _, _, n in list_files(os.path.join(folder, FORMAT_DIR, "objects"), SUFFIX))
+    fs = os.statvfs(path)
+    room = fs.f_bavail * fs.f_frsize + held
+    if size > room:
+        raise ConfigError(
+            "disk_capacity",
+            size,
+            f"the filesystem of {folder} has {room:,} bytes free"
+            + (f" (with the {held:,} this tier holds there)" if held else ""),
+        )
+    return size
+
+
 class DiskObjects:
     """Objects of a pool on disk under ``directory``, at most ``capacity`` bytes of files.
 
@@ -107,12 +141,9 @@ class DiskObjects:
     """
 
     def __init__(self, directory: str | os.PathLike[str], capacity: int | str) -> None:
-        self.capacity = parse_size(capacity, argument="disk_capacity")
+        self.capacity = check_folder(directory, capacity)
         self.directory = os.path.abspath(directory)
         self._root = os.path.join(self.directory, FORMAT_DIR, "objects")
-        self._check_directory()
-        held = sum(size for _, _, size in list_files(self._root, SUFFIX))
-        self._check_capacity(held)
         for path in (self._root, os.path.dirname(self._root)):
             os.makedirs(path, mode=0o700, exist_ok=True)
             os.chmod(path, 0o700)
@@ -293,36 +324,6 @@ class DiskObjects:
         return out if self.read(key, 0, obj.payload, out) else None
 
     # -- internals ------------------------------------------------------------------------------
-
-    def _check_directory(self) -> None:
-        path = self.directory
-        while not os.path.lexists(path):  # the nearest existing ancestor must take the new dirs
-            path = os.path.dirname(path)
-        if not os.path.isdir(path):
-            raise ConfigError("disk_dir", self.directory, f"{path} is not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError("disk_dir", self.directory, f"{path} is not writable")
-        self._existing = path
-        others = sorted(
-            name
-            for name in (os.listdir(self.directory) if path == self.directory else ())
-            if name.startswith("kvflow-disk-") and name != FORMAT_DIR
-        )
-        if others:
-            log.info("disk tier: ignoring %s in %s (another disk format)", others, path)
-
-    def _check_capacity(self, held: int) -> None:
-        if self.capacity < PAGE:
-            raise ConfigError("disk_capacity", self.capacity, f"must be at least {PAGE} bytes")
-        fs = os.statvfs(self._existing)
-        room = fs.f_bavail * fs.f_frsize + held
-        if self.capacity > room:
-            raise ConfigError(
-                "disk_capacity",
-                self.capacity,
-                f"the filesystem of {self.directory} has {room:,} bytes free"
-                + (f" (with the {held:,} this tier holds there)" if held else ""),
-            )
 
     def _recover(self) -> None:
         for path, _, _ in list_files(self._root, TMP):  # torn writes

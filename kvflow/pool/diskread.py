@@ -91,11 +91,13 @@ class DiskReads:
             if fd is None:
                 raise FileNotFoundError(path)
             header = object_header(fd, path, key)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
             if fd is not None:
                 os.close(fd)
             with self._lock:
                 self.open_failed += 1
+                if not isinstance(exc, OSError) or isinstance(exc, FileNotFoundError):
+                    self.bad.add(key)  # not valid, or gone: the pool must stop answering it
             return None
         with self._lock:
             while True:  # an address no open object has

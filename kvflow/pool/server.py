@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.errors import PoolRunningError, ProtocolError
+from kvflow.errors import ConfigError, PoolRunningError, ProtocolError
 from kvflow.pool import protocol as p
 from kvflow.pool.config import (
     DEFAULT_CAPACITY,
@@ -44,7 +44,7 @@ from kvflow.pool.config import (
     DEFAULT_MAX_CLIENTS,
     PoolConfig,
 )
-from kvflow.pool.disk import DiskObjects
+from kvflow.pool.disk import DiskObjects, check_folder
 from kvflow.pool.memory import make_arena, map_shared, unmap
 from kvflow.pool.paths import ensure_private_directory, sibling
 from kvflow.pool.service import Connection, PoolService, reason
@@ -108,6 +108,7 @@ class PoolServer:
     def start(self) -> None:
         path = self.config.socket
         check_capacity(self.config.size, self.config.size)  # before any file or memory
+        _check_disk(self.config)
         ensure_private_directory(os.path.dirname(path))
         self._lock_fd = _take_lock(sibling(path, ".lock"))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -334,6 +335,17 @@ class PoolServer:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock: another server may start
             self._lock_fd = -1
+
+
+def _check_disk(config: PoolConfig) -> None:
+    """The disk tier's options, checked before anything is created (ConfigError)."""
+    if not config.disk_dir and not config.disk_capacity:
+        return
+    if not config.disk_dir:
+        raise ConfigError("disk_dir", "", "needed with a disk capacity")
+    if not config.disk_capacity:
+        raise ConfigError("disk_capacity", 0, "needed with a disk folder")
+    check_folder(config.disk_dir, config.disk_capacity)
 
 
 def _refuse(sock: socket.socket, why: str) -> None:

@@ -215,6 +215,9 @@ class DiskTier:
                     self._pending -= 1
 
     def _write(self, key: str) -> None:
+        if self.disk.sizes([key])[0]:  # on disk already (saved again): newest there too
+            self.disk.touch([key])
+            return
         with self._lock:
             handle, offsets, found, sizes = self._index.open_read([key])
             if not found[0]:
