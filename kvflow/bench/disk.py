@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     )
     result = {"quick": bool(args.quick), "hit_rates": hits, "reads": reads, "ttft": ttft}
     _print(result, report)
-    for row in hits["rows"]:
+    for row in (r for h in hits.values() for r in h["rows"]):
         if row["wrong_bytes"] or row["failed_chunks"]:
             raise AssertionError(f"{row['pool']}: wrong bytes or failed chunks: {row}")
     if not ttft["outputs_identical"]:
@@ -84,14 +84,15 @@ def _hit_row(r: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _print(result: dict[str, Any], report: Report) -> None:
-    h = result["hit_rates"]
-    report.table(
-        f"hit rate: {h['requests']} requests, {h['distinct_chunks']} distinct chunks of "
-        f"{fmt_bytes(h['object_bytes'])} (working set {h['working_set_over_dram']:.1f}x DRAM)",
-        ["pool", "DRAM", "disk", "hit rate", "load ms mean", "p99", "from disk", "wrong bytes"],
-        [_hit_row(r) for r in h["rows"]],
-    )
-    report.line(f"DRAM + disk hit rate over the big DRAM's: {h['disk_over_big_dram']:.3f}")
+    for trace, h in result["hit_rates"].items():
+        report.table(
+            f"hit rate, {trace}: {h['requests']} requests, {h['distinct_chunks']} distinct "
+            f"chunks of {fmt_bytes(h['object_bytes'])} (working set "
+            f"{h['working_set_over_dram']:.1f}x DRAM)",
+            ["pool", "DRAM", "disk", "hit rate", "load ms mean", "p99", "from disk", "wrong"],
+            [_hit_row(r) for r in h["rows"]],
+        )
+        report.line(f"DRAM + disk hit rate over the big DRAM's: {h['disk_over_big_dram']:.3f}")
     r = result["reads"]
     report.table(
         f"disk reads: {r['objects']} objects of {fmt_bytes(r['object_bytes'])}, "

@@ -1,10 +1,12 @@
 """The measurements of ``kvflow bench disk``, each on real ``kvflow serve`` pools of its own.
 
-* ``hit_rates``: the eviction bench's prompt mix (``kvflow.bench.eviction.prompt_mix``) with
-  real bytes, replayed through a DRAM pool holding a quarter of its chunks, the same pool with a
-  disk tier that holds them all, and a DRAM pool as large as the two tiers together. Per pool:
-  the hit rate, the load time of each request's hit (open_read to close_read, every byte
-  checked), and how many bytes came back wrong (must be 0).
+* ``hit_rates``: two traces with real bytes, the eviction bench's prompt mix
+  (``kvflow.bench.eviction.prompt_mix``: popular system prompts, growing conversations) and
+  returning sessions (``returning_sessions``: agent sessions that come back after many
+  others), each replayed through a DRAM pool holding a quarter of its chunks, the same pool
+  with a disk tier that holds them all, and a DRAM pool as large as the two tiers together.
+  Per pool: the hit rate, the load time of each request's hit (open_read to close_read, every
+  byte checked), and how many bytes came back wrong (must be 0).
 * ``read_throughput``: objects on disk only, the page cache dropped, read layer by layer
   through a SharedStore, against a plain sequential read of the same files, the page cache
   dropped again; rounds alternate which goes first.
@@ -28,6 +30,7 @@ import numpy as np
 from kvflow.bench import eviction
 from kvflow.bench.stores import pool_server
 from kvflow.errors import KVFlowError
+from kvflow.keys import KeySpace, chunk_hashes
 from kvflow.pool.diskfiles import PAGE, granules
 from kvflow.pool.diskread import TAG
 from kvflow.pool.store import SharedStore
@@ -106,7 +109,11 @@ def replay(
     store: SharedStore, trace: Sequence[eviction.Request], size: int, layers: int
 ) -> dict[str, Any]:
     """Run ``trace`` with real bytes: per request a lookup, the hit loaded layer by layer and
-    checked, the rest saved (naming the hit as context). Hit rate, load times, bytes wrong."""
+    checked, the rest saved (naming the hit as context). Hit rate, load times, bytes wrong.
+    With a disk tier each request waits for the tier's threads before the next (the replay
+    runs far faster than an inference server: without it, what DRAM evicts before the writer
+    reaches it would measure the replay's pace, not the tier)."""
+    tiered = store.server_stats()["disk_capacity"] > 0
     most = max(len(r.keys) for r in trace)
     buf = np.zeros(most * size, dtype=np.uint8)
     store.register([(buf.ctypes.data, buf.nbytes)])
@@ -153,6 +160,8 @@ def replay(
             done = writing.granted.copy()
             done[granted[bad]] = False
             store.finish_write(writing, done)
+        if tiered:  # requests come at an inference server's pace: the writer keeps up
+            settled(store)
     return {
         "hit_rate": hits / asked if asked else 0.0,
         "hits": hits,
@@ -166,9 +175,43 @@ def replay(
     }
 
 
+def returning_sessions(requests: int, sessions: int = 64, seed: int = 0) -> list[eviction.Request]:
+    """``requests`` turns of ``sessions`` agent sessions: each request the next turn of a
+    session drawn at random (its whole history, then one or two new chunks), a session that
+    passes 48 chunks starting over; a session comes back after about ``sessions`` others."""
+    rng = np.random.default_rng(seed)
+    space = KeySpace(namespace="kvflow-bench-sessions", rank=0)
+    per = eviction.TOKENS_PER_CHUNK
+
+    def text(lo: int, hi: int) -> np.ndarray:
+        return rng.integers(0, 1 << 30, per * int(rng.integers(lo, hi)))
+
+    talks = [text(2, 6) for _ in range(sessions)]
+    out = []
+    for _ in range(requests):
+        i = int(rng.integers(sessions))
+        talks[i] = np.concatenate([talks[i], text(1, 3)])
+        if len(talks[i]) > 48 * per:
+            talks[i] = text(2, 6)
+        keys = space.keys(chunk_hashes(talks[i], per))
+        out.append(eviction.Request(True, tuple(keys)))
+    return out
+
+
+TRACES: dict[str, Callable[..., list[eviction.Request]]] = {
+    "mix": eviction.prompt_mix,
+    "sessions": returning_sessions,
+}
+
+
 def hit_rates(requests: int, size: int, layers: int, seed: int = 0) -> dict[str, Any]:
-    """The prompt mix through three pools (see the module's docstring)."""
-    trace = eviction.prompt_mix(requests, seed)
+    """Both traces through three pools each (see the module's docstring)."""
+    return {name: _hit_rates(make(requests, seed=seed), size, layers)
+            for name, make in TRACES.items()}  # fmt: skip
+
+
+def _hit_rates(trace: list[eviction.Request], size: int, layers: int) -> dict[str, Any]:
+    requests = len(trace)
     distinct = len({k for r in trace for k in r.keys})
     dram_chunks = distinct // 4
     slot = slot_bytes(size)

@@ -9,9 +9,11 @@ Two ``kvflow serve`` pools, each a DRAM tier exactly as large as the prefix and 
 
 Before each of those runs the prefix is pushed out of DRAM (another prompt of as many chunks
 is saved) and the page cache of every object file is dropped: the bytes come from the disk.
-References from the same run: the prefix in the device cache (``hbm_hit``), the prefix in
-the pool's DRAM (``dram``), and no hit (``recompute``). Rounds alternate the two disk pools'
-order; medians are reported, and every load's output must equal the ``hbm_hit`` one bit for bit.
+The compute runs on one thread pinned to every CPU but the last, kvflow's copy thread on
+the last (as ``kvflow bench ttft`` runs). References from the same run: the prefix in the
+device cache (``hbm_hit``), the prefix in the pool's DRAM (``dram``), and no hit
+(``recompute``). Rounds alternate the two disk pools' order; medians are reported, and every
+load's output must equal the ``hbm_hit`` one bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import torch
 from kvflow.bench.disk_runs import drop_page_cache, settled, tiered_pool
 from kvflow.bench.model import ModelShape
 from kvflow.bench.report import Report
+from kvflow.bench.timing import compute_pinned
 from kvflow.bench.ttft_runs import TtftBench
+from kvflow.cpus import affinity
 from kvflow.errors import KVFlowError
 from kvflow.pool.store import SharedStore
 from kvflow.stores.arena import slot_bytes
@@ -62,9 +66,13 @@ def ttft_on_disk(
         f"{bench.total - bench.prefix} tokens computed, {shape.layers} layers"
     )
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    t0 = time.perf_counter()
-    full = bench.forward(bench.hbm_first, bench.all_pos)  # also fills the prefix KV
-    runs["recompute"].append({"ttft": time.perf_counter() - t0, "out": full[bench.prefix :]})
+    cpus = affinity()
+    copy = (cpus[-1],) if len(cpus) > 1 else ()
+    compute = set(cpus[:-1]) if copy else None
+    with compute_pinned(compute, 1):
+        t0 = time.perf_counter()
+        full = bench.forward(bench.hbm_first, bench.all_pos)  # also fills the prefix KV
+        runs["recompute"].append({"ttft": time.perf_counter() - t0, "out": full[bench.prefix :]})
     with (
         tiered_pool(dram, disk, "layerwise") as (layerwise, folder_a),
         tiered_pool(dram, disk, "promote") as (promote, folder_b),
@@ -73,23 +81,26 @@ def ttft_on_disk(
         engines = {}
         for mode, (store, _) in pools.items():
             bench.store = InstrumentedStore(store, record_copies=True)
-            engines[mode] = (bench.store, bench.engine(2, (), chunk_blocks))
+            engines[mode] = (bench.store, bench.engine(2, copy, chunk_blocks))
             _save(engines[mode][1], bench.tokens[: bench.prefix], blocks, store)
         try:
             with report.progress(repeats, "disk ttft") as bar:
                 for r in range(repeats):
-                    runs["hbm_hit"].append(bench.hbm_run())
+                    with compute_pinned(compute, 1):
+                        runs["hbm_hit"].append(bench.hbm_run())
                     order = list(pools) if r % 2 == 0 else list(reversed(pools))
                     for mode in order:
                         store, folder = pools[mode]
                         bench.store, engine = engines[mode]
                         _save(engine, other, blocks, store)  # the prefix leaves DRAM
                         drop_page_cache(folder)
-                        runs[mode].append(_timed(bench, engine))
+                        with compute_pinned(compute, 1):
+                            runs[mode].append(_timed(bench, engine))
                         settled(store)
                     bench.store, engine = engines["disk_layerwise"]
                     _save(engine, bench.tokens[: bench.prefix], blocks, layerwise)
-                    runs["dram"].append(_timed(bench, engine))
+                    with compute_pinned(compute, 1):
+                        runs["dram"].append(_timed(bench, engine))
                     settled(layerwise)
                     bar.step(f"round {r + 1}")
             stats = {mode: store.server_stats() for mode, (store, _) in pools.items()}

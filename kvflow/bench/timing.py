@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from kvflow.cpus import affinity
 
-__all__ = ["best_times", "gc_paused", "load_average", "pin_cpus"]
+__all__ = ["best_times", "compute_pinned", "gc_paused", "load_average", "pin_cpus"]
 
 
 @contextmanager
@@ -60,3 +62,19 @@ def load_average() -> list[float] | None:
 def pin_cpus(threads: int) -> tuple[int, ...]:
     """The last ``threads`` CPUs this process may run on: where pinned copy threads go."""
     return tuple(affinity()[-threads:])
+
+
+@contextmanager
+def compute_pinned(cpus: set[int] | None, threads: int) -> Iterator[None]:
+    """Pin the calling (compute) thread and set torch's thread count; restore both after."""
+    old_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if cpus and old_cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_cpus is not None:
+            os.sched_setaffinity(0, old_cpus)

@@ -14,18 +14,14 @@ loaded bytes are the computed bytes); recompute must agree within float toleranc
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
-
-import torch
 
 from kvflow.bench.args import count, fraction
 from kvflow.bench.model import ModelShape
 from kvflow.bench.report import Report
 from kvflow.bench.stores import STORE_KINDS, bench_store
+from kvflow.bench.timing import compute_pinned
 from kvflow.bench.ttft_report import plot, summarise
 from kvflow.bench.ttft_runs import MODES, TtftBench
 from kvflow.cpus import affinity
@@ -91,22 +87,6 @@ def _apply_quick(args: argparse.Namespace) -> None:
             setattr(args, key, value)
 
 
-@contextmanager
-def _pinned(cpus: set[int] | None, threads: int) -> Iterator[None]:
-    """Pin the calling (compute) thread and set torch's thread count; restore both after."""
-    old_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    if cpus and old_cpus is not None:
-        os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old_threads)
-        if old_cpus is not None:
-            os.sched_setaffinity(0, old_cpus)
-
-
 def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     if args.quick:
         _apply_quick(args)
@@ -152,7 +132,7 @@ def _measure(
     variant_runs: dict[tuple[bool, int], list[float]] = {}
     n_steps = 1 + args.repeats
     with report.progress(n_steps, "ttft") as bar:
-        with _pinned(compute_cpus, args.compute_threads):
+        with compute_pinned(compute_cpus, args.compute_threads):
             t0 = time.perf_counter()
             full = bench.forward(bench.hbm_first, bench.all_pos)  # also fills the prefix KV
             runs["recompute"].append(
@@ -174,10 +154,10 @@ def _measure(
         }
         try:  # rounds interleave the modes, so a slow spell of the machine hits them all
             for rep in range(args.repeats):
-                with _pinned(compute_cpus, args.compute_threads):
+                with compute_pinned(compute_cpus, args.compute_threads):
                     runs["hbm_hit"].append(bench.hbm_run())
                 for (pinned, prefetch), engine in engines.items():
-                    with _pinned(compute_cpus if pinned else None, args.compute_threads):
+                    with compute_pinned(compute_cpus if pinned else None, args.compute_threads):
                         r = bench.load_run(engine, layerwise=True)
                         variant_runs.setdefault((pinned, prefetch), []).append(r["ttft"])
                         if (pinned, prefetch) == variants[0]:

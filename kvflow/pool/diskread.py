@@ -6,11 +6,11 @@ header is read and checked against the key) and hands the engine an address for 
 no memory uses (``TAG`` and up, ``SPAN`` bytes per object). The engine computes each layer's
 ranges from it as from an arena address; ``batch_copy`` gives those ranges to ``stage``,
 which reads, per object, the checksummed spans they touch into a buffer (one ``preadv`` per
-object per layer) and verifies each checksum before any byte is copied out. Before reading,
-it asks the kernel for every object's span and the next two spans after it
-(``POSIX_FADV_WILLNEED``): the disk gets all the objects' reads at once, and the next layers'
-bytes are on their way while this layer's compute runs. An object that
-fails (a checksum, a short file, an I/O error) fails all its ranges, and its key is kept in
+object per layer) and verifies each checksum before any byte is copied out. Each file is read
+front to back, a layer at a time, so the kernel's readahead sees one sequential reader per file
+and reads ahead of it (asking for the next spans with ``POSIX_FADV_WILLNEED`` measured slower:
+1.0 against 1.7-1.85 GB/s for 48 files read a layer at a time, page cache dropped). An object
+that fails (a checksum, a short file, an I/O error) fails all its ranges, and its key is kept in
 ``bad`` for the server to delete (``DISK_DROP``). The open file holds the object's bytes while
 the chunk loads: a file the server evicts or replaces meanwhile is still read whole.
 
@@ -30,13 +30,12 @@ from typing import NamedTuple
 import numpy as np
 
 from kvflow.errors import InvalidArgumentError
-from kvflow.pool.diskfiles import HEAD, ObjectHeader, mismatch, object_header, object_path
+from kvflow.pool.diskfiles import ObjectHeader, mismatch, object_header, object_path
 
 __all__ = ["SPAN", "TAG", "DiskReads", "Staged"]
 
 TAG = 1 << 56  # above every user-space address
 SPAN = 1 << 36  # address space per open object (a payload is smaller)
-AHEAD = 2  # spans read ahead of the one asked for (``_read_ahead``)
 _SLOTS = 1 << 19  # objects open at once, at most, before an address comes round again
 
 
@@ -70,26 +69,15 @@ class DiskReads:
 
     def open(self, root: str, keys: Sequence[str]) -> list[int | None]:
         """Open the objects of ``keys`` under ``root``: their addresses, None for one gone or
-        not valid. Every file's header is asked for before any is read (one wait, not one a
-        file, when they are not in the page cache)."""
+        not valid."""
         paths = [object_path(root, key) for key in keys]
-        fds: list[int | None] = []
-        for path in paths:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                fds.append(None)
-                continue
-            fds.append(fd)
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, 0, HEAD, os.POSIX_FADV_WILLNEED)
-        return [self._opened(*args) for args in zip(keys, paths, fds, strict=True)]
+        return [self._opened(key, path) for key, path in zip(keys, paths, strict=True)]
 
-    def _opened(self, key: str, path: str, fd: int | None) -> int | None:
-        """The address of ``key``'s object open as ``fd``, once its header checks out."""
+    def _opened(self, key: str, path: str) -> int | None:
+        """The address of ``key``'s object file ``path``, opened, once its header checks out."""
+        fd = None
         try:
-            if fd is None:
-                raise FileNotFoundError(path)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             header = object_header(fd, path, key)
         except (OSError, ValueError) as exc:
             if fd is not None:
@@ -150,8 +138,6 @@ class DiskReads:
             start, length = obj.header.spanning(lo, hi - lo)
             spans.append((base, start, length, at))
             total += length
-        for base, start, length, _ in spans:  # every object's reads go to the disk at once
-            self._read_ahead(objects[base], start, length)
         buffer = self._buffer(total)
         where = 0
         for base, start, length, at in spans:
@@ -173,16 +159,6 @@ class DiskReads:
                 max(size, 2 * (0 if held is None else held.size)), np.uint8
             )
         return held[:size]
-
-    @staticmethod
-    def _read_ahead(obj: _Object | None, start: int, length: int) -> None:
-        """Ask the kernel for payload bytes ``[start, start + length)`` and the next
-        AHEAD lengths after them (the next layers, as a load reads them in order) without
-        waiting for them."""
-        assert obj is not None
-        end = min(obj.header.payload, start + (1 + AHEAD) * length)
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(obj.fd, obj.header.header + start, end - start, os.POSIX_FADV_WILLNEED)
 
     def _read(self, obj: _Object, view: memoryview, start: int) -> bool:
         """Read payload bytes from ``start`` into ``view`` and verify them."""

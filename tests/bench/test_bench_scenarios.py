@@ -106,6 +106,35 @@ def test_mooncake(tmp_path: Path) -> None:
     assert result["sessions_api"] is True
 
 
+@pytest.mark.timeout(600)
+def test_disk(tmp_path: Path) -> None:
+    """The disk tier's scenario, tiny: real ``kvflow serve`` pools with disk folders."""
+    path = tmp_path / "disk.json"
+    argv = [
+        "bench", "disk", "--requests", "60", "--chunk-bytes", "16KiB", "--objects", "4",
+        "--object-bytes", "256KiB", "--layers", "4", "--tokens", "288", "--new-tokens", "32",
+        "--repeats", "1", "--json", str(path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    assert set(result["hit_rates"]) == {"mix", "sessions"}
+    for hits in result["hit_rates"].values():
+        rows = {r["pool"]: r for r in hits["rows"]}
+        assert set(rows) == {"dram", "dram+disk", "dram of both sizes"}
+        assert all(r["wrong_bytes"] == 0 and r["failed_chunks"] == 0 for r in rows.values())
+        assert rows["dram+disk"]["hit_rate"] >= rows["dram"]["hit_rate"] > 0
+        assert rows["dram+disk"]["chunks_from_disk"] > 0 == rows["dram"]["chunks_from_disk"]
+        assert hits["working_set_over_dram"] >= 4
+    reads = result["reads"]
+    assert len(reads["kvflow_gbps"]) == len(reads["plain_gbps"]) == 1
+    assert min(reads["kvflow_gbps"] + reads["plain_gbps"]) > 0
+    ttft = result["ttft"]
+    assert ttft["outputs_identical"] is True
+    assert ttft["chunks"] == 1 and ttft["disk_reads_served"] >= 1
+    assert ttft["promotions"]["disk_promote"] >= 1
+    assert all(v > 0 for v in ttft["ttft_s"].values())
+
+
 def test_addrgen(tmp_path: Path) -> None:
     result = bench(
         tmp_path, "addrgen", "--blocks", "256", "--block-bytes", "4KiB", "--repeats", "1"
