@@ -124,8 +124,9 @@ class Shape:
         return {"device": self.num_blocks * self.block, "bench": bench, "chat": chat}
 
     def kv_bytes(self, tokens: int) -> int:
-        """Bytes of KV of ``tokens`` tokens (bfloat16, K and V, every layer)."""
-        return tokens * self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 2
+        """Bytes of KV of ``tokens`` tokens (float32, the random model's; K and V, every
+        layer)."""
+        return tokens * self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 4
 
     def floor_blocks(self) -> int:
         """Device KV for the ``floor`` row: either workload's working set, and the blocks of

@@ -104,6 +104,12 @@ class DiskReads:
             with contextlib.suppress(OSError):
                 os.close(obj.fd)
 
+    def __repr__(self) -> str:
+        return (
+            f"DiskReads(open={len(self._open)}, opened={self.opened}, "
+            f"open_failed={self.open_failed}, read_bytes={self.read_bytes}, failed={self.failed})"
+        )
+
     def take_bad(self) -> list[str]:
         """The keys found bad since the last call."""
         with self._lock:

@@ -193,6 +193,14 @@ class DiskTier:
             thread.join(_STOP_WAIT_S)
         self.disk.close()
 
+    def __repr__(self) -> str:
+        with self._cond:
+            down, up, pending = len(self._down), len(self._up), self._pending
+        return (
+            f"DiskTier({self.disk.directory!r}, reads={self.reads!r}, to_write={down}, "
+            f"to_promote={up}, under_way={pending - down - up}, closed={self._closed})"
+        )
+
     # -- the threads ----------------------------------------------------------------------------
 
     def _next(self, queue: deque[T]) -> T | None:

@@ -182,6 +182,36 @@ def test_a_restarted_pool_serves_what_its_disk_holds(sock_dir: str, disk_dir: Pa
     assert wrong(out, KEYS) == []
 
 
+@pytest.mark.parametrize("other", ["model", "layout"])
+def test_a_disk_written_for_another_model_or_layout_is_never_read(
+    sock_dir: str, disk_dir: Path, other: str
+) -> None:
+    """An engine of another model name, or of another layout (the cache's shape), on a pool
+    restarted over the first one's disk finds none of its chunks; the first one finds all."""
+    path = f"{sock_dir}/pool.sock"
+    caches = make_caches(num_layers=2, num_blocks=16, block_shape=(2, 16, 64), seed=1)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    config = PoolConfig(socket=path, capacity="1MiB", disk_dir=str(disk_dir), disk_capacity="4MiB")
+    tokens = np.random.default_rng(3).integers(0, 30_000, 2 * CHUNK * BS)
+    first = kvflow.EngineConfig(model="first", chunk_blocks=CHUNK)
+    with PoolServer(config) as server, shared_store(path) as store:
+        with kvflow.SyncTransferEngine(layout, store, first) as engine:
+            assert engine.save(tokens, np.arange(2 * CHUNK)).ok
+        wait_idle(server.stats)
+    if other == "layout":
+        caches = make_caches(num_layers=2, num_blocks=16, block_shape=(2, 16, 32), seed=1)
+    second = kvflow.EngineConfig(
+        model="second" if other == "model" else "first", chunk_blocks=CHUNK
+    )
+    elsewhere = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    with PoolServer(config) as server, shared_store(path) as store:
+        assert server.stats()["disk_recovered"] == 2
+        with kvflow.SyncTransferEngine(elsewhere, store, second) as engine:
+            assert engine.lookup(tokens) == 0
+        with kvflow.SyncTransferEngine(layout, store, first) as engine:
+            assert engine.lookup(tokens) == 2 * CHUNK * BS
+
+
 # -- eviction order on disk ------------------------------------------------------------------------
 
 
