@@ -10,7 +10,8 @@ Two ``kvflow serve`` pools, each a DRAM tier exactly as large as the prefix and 
 Before each of those runs the prefix is pushed out of DRAM (another prompt of as many chunks
 is saved) and the page cache of every object file is dropped: the bytes come from the disk.
 The compute runs on one thread pinned to every CPU but the last, kvflow's copy thread on
-the last (as ``kvflow bench ttft`` runs). References from the same run: the prefix in the
+the last (as ``kvflow bench ttft`` runs), or (``pinned`` False) on every CPU, the copy thread
+beside it. References from the same run: the prefix in the
 device cache (``hbm_hit``), the prefix in the pool's DRAM (``dram``), and no hit
 (``recompute``). Rounds alternate the two disk pools' order; medians are reported, and every
 load's output must equal the ``hbm_hit`` one bit for bit.
@@ -51,8 +52,10 @@ def _ns(tokens: int, new_tokens: int, chunk_blocks: int, seed: int) -> argparse.
 
 def ttft_on_disk(
     shape: ModelShape, tokens: int, new_tokens: int, chunk_blocks: int, repeats: int,
-    report: Report, seed: int = 0,
+    report: Report, seed: int = 0, pinned: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
+    """The runs (see the module's docstring); ``pinned`` False: the compute on every CPU
+    (one torch thread each) and the copy thread floating, contending with it."""
     bench = TtftBench(_ns(tokens, new_tokens, chunk_blocks, seed), shape)
     chunk_tokens = chunk_blocks * shape.block_size
     chunks = bench.prefix // chunk_tokens
@@ -67,9 +70,10 @@ def ttft_on_disk(
     )
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     cpus = affinity()
-    copy = (cpus[-1],) if len(cpus) > 1 else ()
+    copy = (cpus[-1],) if len(cpus) > 1 and pinned else ()
     compute = set(cpus[:-1]) if copy else None
-    with compute_pinned(compute, 1):
+    threads = 1 if copy else len(cpus)
+    with compute_pinned(compute, threads):
         t0 = time.perf_counter()
         full = bench.forward(bench.hbm_first, bench.all_pos)  # also fills the prefix KV
         runs["recompute"].append({"ttft": time.perf_counter() - t0, "out": full[bench.prefix :]})
@@ -86,7 +90,7 @@ def ttft_on_disk(
         try:
             with report.progress(repeats, "disk ttft") as bar:
                 for r in range(repeats):
-                    with compute_pinned(compute, 1):
+                    with compute_pinned(compute, threads):
                         runs["hbm_hit"].append(bench.hbm_run())
                     order = list(pools) if r % 2 == 0 else list(reversed(pools))
                     for mode in order:
@@ -94,12 +98,12 @@ def ttft_on_disk(
                         bench.store, engine = engines[mode]
                         _save(engine, other, blocks, store)  # the prefix leaves DRAM
                         drop_page_cache(folder)
-                        with compute_pinned(compute, 1):
+                        with compute_pinned(compute, threads):
                             runs[mode].append(_timed(bench, engine))
                         settled(store)
                     bench.store, engine = engines["disk_layerwise"]
                     _save(engine, bench.tokens[: bench.prefix], blocks, layerwise)
-                    with compute_pinned(compute, 1):
+                    with compute_pinned(compute, threads):
                         runs["dram"].append(_timed(bench, engine))
                     settled(layerwise)
                     bar.step(f"round {r + 1}")
@@ -107,7 +111,7 @@ def ttft_on_disk(
         finally:
             for _, engine in engines.values():
                 engine.close()
-    return _summary(runs, stats, chunks, size, bench)
+    return {**_summary(runs, stats, chunks, size, bench), "pinned": pinned}
 
 
 def _save(engine: Any, tokens: torch.Tensor, blocks: torch.Tensor, store: SharedStore) -> None:
