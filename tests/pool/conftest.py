@@ -6,9 +6,13 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+import kvflow
+from kvflow.pool import PoolServer
+from tests.support.disktier import KEYS, disk_pool, save, shared_store
 from tests.support.processes import ServeProcess, Worker, spawn_workers
 
 
@@ -45,3 +49,26 @@ def workers(sock_dir: str) -> Iterator[Callable[..., Worker]]:
     """Start worker processes (``workers(tag, name, **args)``); all are killed at the end."""
     with spawn_workers(sock_dir) as start:
         yield start
+
+
+# -- the disk tier's tests -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    return tmp_path / "disk"
+
+
+@pytest.fixture
+def pool(sock_dir: str, disk_dir: Path) -> Iterator[PoolServer]:
+    """A pool of eight objects' DRAM over an 8 MiB disk tier in ``disk_dir``."""
+    with disk_pool(f"{sock_dir}/pool.sock", disk_dir) as server:
+        yield server
+
+
+@pytest.fixture
+def store(pool: PoolServer) -> Iterator[kvflow.SharedStore]:
+    """A client of ``pool`` that saved KEYS (``tests.support.disktier``), four at a time."""
+    with shared_store(pool.socket_path) as client:
+        save(client, KEYS)
+        yield client

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,10 @@ from kvflow.stores.arena import slot_bytes
 from tests.pool.test_metrics import free_port, pool_stats, scrape
 from tests.support.caches import make_caches
 from tests.support.disktier import (
+    DISK,
+    DRAM,
     FILE,
+    KEYS,
     OBJ,
     SLOT,
     disk_pool,
@@ -39,30 +42,6 @@ from tests.support.disktier import (
 from tests.support.processes import ServeProcess, live_server_pids
 from tests.support.waits import wait_until
 from tests.support.wire import Greeted, greet, recv_exact
-
-KEYS = keys_of("k", 16)  # twice what DRAM holds: the first eight end up on disk only
-DRAM, DISK = KEYS[8:], KEYS[:8]
-
-
-@pytest.fixture
-def disk_dir(tmp_path: Path) -> Path:
-    return tmp_path / "disk"
-
-
-@pytest.fixture
-def pool(sock_dir: str, disk_dir: Path) -> Iterator[PoolServer]:
-    """A pool of eight objects' DRAM over an 8 MiB disk tier."""
-    with disk_pool(f"{sock_dir}/pool.sock", disk_dir) as server:
-        yield server
-
-
-@pytest.fixture
-def store(pool: PoolServer) -> Iterator[kvflow.SharedStore]:
-    """A client of ``pool`` that saved KEYS, four at a time."""
-    with shared_store(pool.socket_path) as client:
-        save(client, KEYS)
-        yield client
-
 
 # -- write-through and lookups --------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,9 @@ from kvflow.pool import PoolServer
 from kvflow.pool.diskfiles import FORMAT_DIR
 from kvflow.pool.launch import is_serving
 from tests.support.disktier import (
+    DISK,
+    DRAM,
+    KEYS,
     OBJ,
     SLOT,
     disk_pool,
@@ -38,27 +41,7 @@ from tests.support.objects import content, write_objects
 from tests.support.processes import REPO, ServeProcess
 from tests.support.waits import wait_until
 
-KEYS = keys_of("k", 16)  # twice what DRAM holds: the first eight end up on disk only
-DRAM, DISK = KEYS[8:], KEYS[:8]
 FILL = 0xA5  # what the destination holds before a read
-
-
-@pytest.fixture
-def disk_dir(tmp_path: Path) -> Path:
-    return tmp_path / "disk"
-
-
-@pytest.fixture
-def pool(sock_dir: str, disk_dir: Path) -> Iterator[PoolServer]:
-    with disk_pool(f"{sock_dir}/pool.sock", disk_dir) as server:
-        yield server
-
-
-@pytest.fixture
-def store(pool: PoolServer) -> Iterator[kvflow.SharedStore]:
-    with shared_store(pool.socket_path) as client:
-        save(client, KEYS)
-        yield client
 
 
 def payload_start(path: Path) -> int:

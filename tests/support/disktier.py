@@ -25,7 +25,10 @@ from tests.support.objects import addr, alloc_registered, content, write_objects
 from tests.support.waits import wait_for_stats
 
 __all__ = [
+    "DISK",
+    "DRAM",
     "FILE",
+    "KEYS",
     "LAYERS",
     "OBJ",
     "SLOT",
@@ -54,6 +57,10 @@ LAYERS = [[(layer * 5000, 5000), (20_000 + layer * 5000, 5000)] for layer in ran
 
 def keys_of(prefix: str, n: int) -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
+
+
+KEYS = keys_of("k", 16)  # twice what the test pools' DRAM holds: the first eight end up on disk
+DRAM, DISK = KEYS[8:], KEYS[:8]
 
 
 @contextlib.contextmanager
