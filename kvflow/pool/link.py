@@ -2,8 +2,12 @@
 and what the client holds on it: its sessions, their pool memory, the copies in flight.
 
 One ``PoolConnection`` is live at a time. A call that finds none (or finds the server gone)
-connects again, starting a server where ``auto_start`` says so, unless a connect failed less
-than ``retry_interval_s`` ago: then it fails at once. A request the server's idle close crossed
+connects again, unless a connect failed less than ``retry_interval_s`` ago: then it fails at
+once. Where ``auto_start`` says so and no server answers, the first connection (made at the
+store's construction: one-time setup) starts one and waits for it; a later one (the server
+stopped or died under load) starts one on a thread of its own and fails at once, so calls count
+misses while the new server comes up (seconds: a process, its arena) instead of each waiting
+for it, and the first call after it serves connects. A request the server's idle close crossed
 goes once more on a new connection, if no session of this client was on the old one.
 
 Every session belongs to the connection that opened it and dies with it: dropping a connection
@@ -74,6 +78,7 @@ class PoolLink:
         self._parked: list[PoolConnection] = []  # dropped while a copy still ran
         self._spare: PoolConnection | None = None  # dropped without sessions: mapping kept
         self.reconnects = 0
+        self._starter: threading.Thread | None = None  # a server being started (auto_start)
 
     # -- the connection -----------------------------------------------------------------------
 
@@ -106,12 +111,31 @@ class PoolLink:
         except StoreUnavailableError:
             if not cfg.auto_start:
                 raise
+            if self.reconnects:  # serving already: start it beside the calls, not in them
+                self._start_beside()
+                raise
             start_in_background(cfg.server_config(), cfg.start_timeout_s)
             conn = self._open_connection()
         if self.sessions or self.reconnects or self._retry_at:
             log.info("kvflow: connected to the pool on %s", cfg.socket)
         self.reconnects += 1
         return conn
+
+    def _start_beside(self) -> None:
+        """Start a server on a thread of its own, unless one is being started. Holds lock."""
+        if self._starter is not None and self._starter.is_alive():
+            return
+        cfg = self.config
+
+        def start() -> None:
+            try:
+                start_in_background(cfg.server_config(), cfg.start_timeout_s)
+            except KVFlowError as exc:  # the next connect fails and tries again
+                log.warning("kvflow: starting a pool server on %s failed: %s", cfg.socket, exc)
+
+        log.info("kvflow: the pool on %s is gone; starting one beside the calls", cfg.socket)
+        self._starter = threading.Thread(target=start, name="kvflow-pool-start", daemon=True)
+        self._starter.start()
 
     def _open_connection(self) -> PoolConnection:
         cfg = self.config

@@ -312,6 +312,42 @@ def test_auto_start_in_process_leaves_no_resource_warning(sock_dir: str) -> None
         wait_until(lambda: not live_server_pids(path), 60, "the auto-started server to exit")
 
 
+def test_a_server_gone_under_load_is_restarted_beside_the_calls(sock_dir: str) -> None:
+    """The first server is started in the constructor and waited for (one-time setup). When it
+    dies, the next call does not wait for a new one to come up (a process, an arena: seconds
+    in which every scheduler lookup would stall): it fails as a miss, a server starts beside,
+    and a later call connects to it."""
+    path = f"{sock_dir}/pool.sock"
+    try:
+        store = kvflow.SharedStore(
+            socket=path, auto_start=True, capacity="8MiB", retry_interval_s=0.05
+        )
+        try:
+            assert store.lookup(["k"]).tolist() == [False]
+            (first,) = live_server_pids(path)
+            os.kill(first, signal.SIGKILL)
+            wait_until(lambda: not live_server_pids(path), 60, "the first server to die")
+            with pytest.raises(kvflow.StoreUnavailableError):
+                store.lookup(["k"])  # not waiting in the call for the new server
+
+            def serving_again() -> bool:
+                try:
+                    return store.lookup(["k"]).tolist() == [False]
+                except kvflow.StoreUnavailableError:
+                    return False
+
+            wait_until(serving_again, 60, "the store to reach a restarted server")
+            one = lambda: len(pids := live_server_pids(path)) == 1 and pids  # noqa: E731
+            (second,) = wait_until(one, 60, "the starting process to leave the server alone")
+            assert second != first and store.reconnects == 2
+        finally:
+            store.close()
+    finally:
+        for pid in live_server_pids(path):
+            os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not live_server_pids(path), 60, "the auto-started server to exit")
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_auto_start_from_a_thread_bound_to_a_compute_core_puts_the_server_elsewhere(
     sock_dir: str,
