@@ -1,8 +1,9 @@
 """DiskTier: the pool server's disk tier under its DRAM arena (``kvflow.pool.disk`` objects).
 
 Chunks reach disk by write-through, off every client's call: each commit queues its keys, and
-the writer thread copies each object from the arena into its file (holding a lease on it
-meanwhile, so its slot is not reused under the copy). DRAM then evicts as it always did; what
+the writer thread copies each object from the arena into its file (holding it meanwhile:
+``ArenaIndex.hold``, so its slot is not reused under the copy, and its place in DRAM's eviction
+order is left as the clients made it). DRAM then evicts as it always did; what
 it evicts is on disk already. Why write-through rather than writing what DRAM evicts: a write
 at eviction would have to copy the object inside the client's save that evicts it (or hold
 its slot and fail that save for room), and the disk would hold only what DRAM lost, so a
@@ -226,18 +227,17 @@ class DiskTier:
         if self.disk.sizes([key])[0]:  # on disk already (saved again): newest there too
             self.disk.touch([key])
             return
-        with self._lock:
-            handle, offsets, found, sizes = self._index.open_read([key])
-            if not found[0]:
-                self._index.close_read(handle)
+        with self._lock:  # held, not leased: DRAM's eviction order stays the clients'
+            held = self._index.hold(key)
+            if held is None:
                 self.counts["demotions_skipped"] += 1
                 return
+        offset, size = held
         try:
-            size = int(sizes[0])
-            ok = self.disk.put(key, self._view(int(offsets[0]), size), granules(size))
+            ok = self.disk.put(key, self._view(offset, size), granules(size))
         finally:
             with self._lock:
-                self._index.close_read(handle)
+                self._index.release(key)
         if ok:
             with self._lock:
                 self.counts["demotions"] += 1

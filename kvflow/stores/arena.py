@@ -60,6 +60,7 @@ class _Entry:
     size: int
     committed: bool = False
     leases: int = 0
+    held: int = 0  # ``hold``s: never evicted meanwhile, its place in the LRU kept
 
 
 @dataclass
@@ -217,6 +218,21 @@ class ArenaIndex:
                 self._lru_of(entry)[key] = None
         self._touch_all(session.context)
 
+    def hold(self, key: str) -> tuple[int, int] | None:
+        """Keep the committed ``key`` from eviction, leaving its place in the eviction order
+        (a lease takes it out and puts it back newest): (offset, size), or None if ``key`` is
+        not committed. For an owner that reads objects in the background (the disk tier's
+        writer), so that the order stays the one its clients made. ``release`` ends it."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.committed:
+            return None
+        entry.held += 1
+        return entry.offset, entry.size
+
+    def release(self, key: str) -> None:
+        """End one ``hold`` of ``key``."""
+        self._entries[key].held -= 1
+
     def release_all(self) -> None:
         """Abort every pending write and release every lease (the owner is going away)."""
         for handle, session in list(self._sessions.items()):
@@ -266,8 +282,9 @@ class ArenaIndex:
             self._bump += slot
             return offset
         lru = self._lru.get(slot)
-        if lru and next(iter(lru)) not in spare:  # the least recently used of this slot size
-            key, _ = lru.popitem(last=False)
+        key = next((k for k in lru if not self._entries[k].held), None) if lru else None
+        if lru and key is not None and key not in spare:  # the least recently used not held
+            del lru[key]
             entry = self._entries.pop(key)
             self._used -= entry.size
             self._objects -= 1
