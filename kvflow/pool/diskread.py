@@ -131,13 +131,19 @@ class DiskReads:
         offsets = pool - bases
         ok = np.zeros(len(pool), dtype=bool)
         src = np.zeros(len(pool), dtype=np.int64)
+        # the ranges grouped by object (one sort), each object's lowest and highest byte
+        order = np.argsort(bases, kind="stable")
+        uniq, first = np.unique(bases[order], return_index=True)
+        lows = np.minimum.reduceat(offsets[order], first)
+        highs = np.maximum.reduceat((offsets + sizes)[order], first)
+        groups = np.split(order, first[1:])
         with self._lock:
-            objects = {int(b): self._open.get(int(b)) for b in np.unique(bases)}
+            objects = {b: self._open.get(b) for b in uniq.tolist()}
         spans: list[tuple[int, int, int, np.ndarray]] = []  # (base, start, length, its ranges)
         total = 0
-        for base, obj in objects.items():
-            at = np.flatnonzero(bases == base)
-            lo, hi = int(offsets[at].min()), int((offsets[at] + sizes[at]).max())
+        per_object = zip(uniq.tolist(), lows.tolist(), highs.tolist(), groups, strict=True)
+        for base, lo, hi, at in per_object:
+            obj = objects[base]
             if obj is None or hi > obj.header.payload:
                 bad = hex(int(pool[at[0]]))
                 raise InvalidArgumentError("pool_addrs", bad, "outside every disk object held")

@@ -7,8 +7,6 @@ Damage, full disks and refusals: ``test_disk_tier_faults.py``."""
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from tests.support.disktier import (
     wait_idle,
     wrong,
 )
-from tests.support.processes import ServeProcess, live_server_pids
+from tests.support.processes import ServeProcess, stop_servers
 from tests.support.waits import wait_until
 from tests.support.wire import Greeted, greet, recv_exact
 
@@ -303,6 +301,4 @@ def test_an_auto_started_pool_has_the_disk_tier_asked(sock_dir: str, disk_dir: P
         finally:
             store.close()
     finally:
-        for pid in live_server_pids(path):
-            os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not live_server_pids(path), 60, "the auto-started server to exit")
+        stop_servers(path)

@@ -24,7 +24,14 @@ from kvflow.abc import WriteStatus
 from tests.support.caches import make_caches
 from tests.support.objects import read_objects, write_objects
 from tests.support.pool_workers import NUM_PROMPTS, key_bytes
-from tests.support.processes import REPO, ServeProcess, Worker, live_server_pids, thread_affinities
+from tests.support.processes import (
+    REPO,
+    ServeProcess,
+    Worker,
+    live_server_pids,
+    stop_servers,
+    thread_affinities,
+)
 from tests.support.waits import wait_for_stats, wait_until
 
 Serve = Callable[..., ServeProcess]
@@ -307,9 +314,7 @@ def test_auto_start_in_process_leaves_no_resource_warning(sock_dir: str) -> None
         leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
         assert leaked == []
     finally:
-        for pid in live_server_pids(path):
-            os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not live_server_pids(path), 60, "the auto-started server to exit")
+        stop_servers(path)
 
 
 def test_a_server_gone_under_load_is_restarted_beside_the_calls(sock_dir: str) -> None:
@@ -343,9 +348,7 @@ def test_a_server_gone_under_load_is_restarted_beside_the_calls(sock_dir: str) -
         finally:
             store.close()
     finally:
-        for pid in live_server_pids(path):
-            os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not live_server_pids(path), 60, "the auto-started server to exit")
+        stop_servers(path)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -368,6 +371,4 @@ def test_auto_start_from_a_thread_bound_to_a_compute_core_puts_the_server_elsewh
         assert affinities and all(compute not in cpus for cpus in affinities)
     finally:
         os.sched_setaffinity(0, mine)
-        for pid in live_server_pids(path):
-            os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not live_server_pids(path), 60, "the auto-started server to exit")
+        stop_servers(path)

@@ -212,3 +212,13 @@ def thread_affinities(pid: int) -> list[frozenset[int]]:
 
 
 Workers = Callable[..., Worker]  # ``start(tag, name, **args)`` as ``spawn_workers`` yields it
+
+
+def stop_servers(socket_path: str) -> None:
+    """SIGTERM every live ``kvflow serve`` of ``socket_path`` (auto-started ones: no handle
+    here) and wait until none is left."""
+    from tests.support.waits import wait_until
+
+    for pid in live_server_pids(socket_path):
+        os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not live_server_pids(socket_path), 60, "the pool server to exit")
