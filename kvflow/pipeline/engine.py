@@ -212,7 +212,11 @@ class TransferEngine:
         return self._track(SaveHandle, plan, session, active, status)
 
     async def load(self, token_ids: Any, block_ids: Any) -> TransferResult:
-        """Load one request, all layers; returns which blocks succeeded and which failed."""
+        """Load one request, all layers; returns which blocks succeeded and which failed.
+
+        A copy past its timeout may still write the failed blocks after this returns; before
+        handing them to another request, load with ``start_load`` and ``aclose(wait=True)``
+        (which waits for such a copy, within the engine's grace), as the vLLM connector does."""
         async with await self.start_load([BlockRequest(token_ids, block_ids)]) as handle:
             return await handle.wait()
 

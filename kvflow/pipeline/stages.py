@@ -201,19 +201,26 @@ class BatchStages:
         stats = self._runtime.stats
         timeout = self._runtime.config.copy_timeout_s
         failed_chunks: np.ndarray
+        carried = np.unique(ranges.chunk)
         try:
-            if await future_within(future, timeout):
+            if not future.done() and self._failed[carried].all():
+                # every chunk of this layer failed in an earlier one (a source that stopped
+                # answering): not waited for again, so such a batch fails within one copy
+                # timeout, not one per layer; the copy is a straggler like a timed-out one
+                self._timed_out.add(future)
+                failed_chunks = carried
+            elif await future_within(future, timeout):
                 failed = np.asarray(future.result(), dtype=np.int64)
                 failed_chunks = np.unique(ranges.chunk[failed])
             else:
                 self._timed_out.add(future)
                 stats.timeouts += 1
                 self.last_error = TransferTimeoutError(f"copy of layer {layer}", timeout)
-                failed_chunks = np.unique(ranges.chunk)
+                failed_chunks = carried
         except Exception as exc:  # a store failure is data: the layer's chunks fail
             log.warning("kvflow: copy of layer %d failed: %r", layer, exc, exc_info=True)
             self.last_error = exc
-            failed_chunks = np.unique(ranges.chunk)
+            failed_chunks = carried
         self._failed[failed_chunks] = True
         stats.copy_calls += 1
         stats.copy_ranges += len(ranges)

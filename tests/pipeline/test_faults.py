@@ -163,6 +163,27 @@ async def test_stuck_copy_times_out_and_keeps_its_lease_until_it_returns(setup) 
         assert usage.leases == 0 and usage.open_sessions == 0
 
 
+async def test_a_stuck_source_costs_one_copy_timeout_not_one_per_layer(setup) -> None:
+    """Every copy of a load stalls (a source that stopped answering): once the first layer's
+    wait ran out and failed every chunk, the later layers are not waited for: one timeout is
+    counted, not one per layer, and the stuck copies keep their leases until they return."""
+    caches, layout, store = setup
+    assert layout.num_layers > 1
+    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, copy_timeout_s=0.2)
+    gate = Gate()
+    tokens = tokens_for(2)
+    await stored(layout, store, tokens)
+    async with kvflow.TransferEngine(layout, store, cfg) as engine:
+        store.before_copy = lambda d, *a: gate() if d == Direction.FROM_POOL else None
+        result = await asyncio.wait_for(engine.load(tokens, np.arange(8, 12)), 60)
+        assert result.count(kvflow.ChunkStatus.FAILED) == 2
+        assert engine.stats().timeouts == 1
+        assert store.usage().leases == 2
+        gate.set()
+        usage = await settle(engine, store)
+        assert usage.leases == 0 and usage.open_sessions == 0
+
+
 async def test_wait_layer_and_layer_written_time_out(setup) -> None:
     caches, layout, store = setup
     gate = Gate()
