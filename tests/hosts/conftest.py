@@ -1,0 +1,39 @@
+"""Fixtures for the multi-host tests: hosts are network namespaces on this machine (root only;
+elsewhere the tests skip, naming why, and in CI they fail)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvflow.bench.cluster import Cluster
+from kvflow.testing import netns
+from tests.support.pools import require_mooncake, unavailable
+
+
+def require_hosts() -> None:
+    reason = netns.unavailable()
+    if reason is not None:
+        unavailable(f"multi-host tests: {reason}")
+
+
+@pytest.fixture
+def cluster_of(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    """``cluster_of(n, *master_flags)``: a Mooncake pool over ``n`` hosts (the master on host
+    0); every process, namespace and link it made is removed when the test ends."""
+    require_hosts()
+    require_mooncake()
+    made: list[Cluster] = []
+
+    def make(hosts: int, *flags: str) -> Cluster:
+        cluster = Cluster(hosts, str(tmp_path), *flags, prefix=f"{tmp_path.name}/")
+        made.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.close()
