@@ -16,6 +16,7 @@ SCENARIOS: dict[str, str] = {
     "pool": "kvflow.bench.pool",
     "mooncake": "kvflow.bench.mooncake",
     "disk": "kvflow.bench.disk",
+    "hosts": "kvflow.bench.hosts",
 }
 
 __all__ = ["SCENARIOS"]

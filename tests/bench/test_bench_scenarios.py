@@ -272,3 +272,23 @@ def test_bench_core(
     out = capsys.readouterr().out
     large = [r for b, r in copy_rows if b >= 64 << 10]
     assert ("PASS  batch_copy at every block size >= 64 KiB" in out) == (min(large) >= 0.85)
+
+
+def test_hosts(tmp_path: Path) -> None:
+    """The multi-host scenario, tiny: real namespaces, a real master, real Mooncake clients."""
+    from tests.hosts.conftest import require_hosts
+
+    require_hosts()
+    require_mooncake()
+    path = tmp_path / "hosts.json"
+    argv = ["bench", "hosts", "--prompts", "4", "--chunks", "2", "--faults", "slow_link", "--quick"]
+    assert main([*argv, "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert [r["readers"] for r in result["throughput"]] == [1, 2, 3]
+    for run in result["throughput"]:
+        assert run["wrong"] == run["failed"] == 0
+        assert run["bytes"] == run["readers"] * 4 * 2 * result["object_bytes"]
+        assert run["gbps"] > 0 and run["master_calls_per_batch"] == [2]
+    (fault,) = result["faults"]
+    assert fault["fault"] == "slow_link" and fault["wrong_chunks"] == 0
+    assert fault["recovered_s"] is not None
