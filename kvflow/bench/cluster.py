@@ -6,7 +6,8 @@ multi-host tests.
 log in ``directory``); ``worker(host, tag, name, **args)`` starts a worker process on a host,
 given the master's address, the host's own address and the cluster's key prefix;
 ``kill_master()`` / ``start_master()`` stop it (SIGKILL) and bring it back at the same address.
-``close()`` kills everything on every host and removes the network.
+``close()`` kills everything on every host and removes the network. With ``uplink=True`` this
+process reaches the hosts too (``Network``'s uplink), for servers it talks to itself.
 """
 
 from __future__ import annotations
@@ -104,7 +105,12 @@ class Cluster:
     """``hosts`` hosts (host 0 runs the master); see the module's docstring."""
 
     def __init__(
-        self, hosts: int, directory: str, *master_flags: str, prefix: str = "hosts/"
+        self,
+        hosts: int,
+        directory: str,
+        *master_flags: str,
+        prefix: str = "hosts/",
+        uplink: bool = False,
     ) -> None:
         binary = find_master_binary()
         if binary is None:
@@ -114,7 +120,7 @@ class Cluster:
         self.master_flags = master_flags
         self.prefix = prefix
         self.workers: list[HostWorker] = []
-        self.net = Network(hosts)
+        self.net = Network(hosts, uplink=uplink)
         self.master: subprocess.Popen[bytes] | None = None
         try:
             self.start_master()

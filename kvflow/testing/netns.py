@@ -14,6 +14,10 @@ workers in parallel) may use the same addresses.
   the bridge down and up: nothing passes either way meanwhile).
 * ``host.limit("200mbit")`` caps the host's link both ways (a token bucket); ``host.unlimit()``.
 * ``host.link_bytes()`` is what went through the host's ``eth0``: ``(received, sent)``.
+* ``Network(n, uplink=True)`` also joins the caller's namespace to the bridge (a veth whose
+  root end has ``network.uplink_address``), so that the test process itself can reach servers
+  on the hosts (``vllm serve``): such a network takes a /24 of 198.19.0.0/16 no other uplinked
+  network on this machine uses, and the hosts can reach the caller at that address too.
 * ``close()`` (or the end of a ``with`` block) kills every process left in the network's
   namespaces and deletes them, links included, also after a failure. ``sweep()`` removes what a
   crashed process of this kind left behind (namespaces named for a pid no longer alive).
@@ -27,6 +31,7 @@ naming what is missing.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import itertools
 import json
@@ -44,6 +49,10 @@ __all__ = ["Host", "Network", "NetworkError", "unavailable"]
 
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
 """The hosts' addresses: ``198.18.0.1`` for host 0, and on (a /24 of 198.18.0.0/15)."""
+UPLINKED = ipaddress.ip_network("198.19.0.0/16")
+"""Where uplinked networks take their /24s (seen from the caller's namespace, they must not
+overlap)."""
+_UPLINK_LOCK = "/run/kvflow-netns.lock"
 MAX_HOSTS = 64
 _PREFIX = "kvfn"  # namespaces: kvfn<pid>x<n>sw (the switch), kvfn<pid>x<n>h<i> (hosts)
 _COUNTER = itertools.count()
@@ -120,7 +129,7 @@ class Host:
         self.index = index
         self.netns = f"{network.name}h{index}"
         self.port = f"h{index}"  # its end on the bridge, in the switch namespace
-        self.address = str(SUBNET.network_address + 1 + index)
+        self.address = str(network.subnet.network_address + 1 + index)
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def command(self, argv: Sequence[str]) -> list[str]:
@@ -210,25 +219,58 @@ class Host:
 class Network:
     """``hosts`` hosts on one bridge; see the module's docstring."""
 
-    def __init__(self, hosts: int) -> None:
+    def __init__(self, hosts: int, *, uplink: bool = False) -> None:
         if not isinstance(hosts, int) or isinstance(hosts, bool) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be an int in [1, {MAX_HOSTS}], got {hosts!r}")
         reason = unavailable()
         if reason is not None:
             raise NetworkError(reason)
         sweep()
-        self.name = f"{_PREFIX}{os.getpid()}x{next(_COUNTER)}"
+        number = next(_COUNTER)
+        self.name = f"{_PREFIX}{os.getpid()}x{number}"
         self.switch = f"{self.name}sw"
+        self.subnet = SUBNET
+        self.uplink_address: str | None = None
+        self._uplink_device: str | None = None
         self.hosts: list[Host] = []
         try:
             _ip("netns", "add", self.switch)
             _ip("link", "add", "br0", "type", "bridge", netns=self.switch)
             _ip("link", "set", "br0", "up", netns=self.switch)
+            if uplink:
+                self._add_uplink(f"kv{os.getpid()}u{number}")
             for i in range(hosts):
                 self._add_host(Host(self, i))
         except BaseException:
             self.close()
             raise
+
+    def _add_uplink(self, device: str) -> None:
+        """A veth from the caller's namespace to the bridge, on a /24 of ``UPLINKED`` that no
+        route of the caller's namespace covers yet (chosen under a lock, as other processes
+        may be choosing at once). Deleting the switch namespace deletes the veth and its
+        route with it."""
+        with open(_UPLINK_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            taken = {
+                ipaddress.ip_network(route["dst"])
+                for route in json.loads(_ip("-j", "route", "show") or "[]")
+                if route.get("dst", "default")[0].isdigit()
+            }
+            free = (
+                s for s in UPLINKED.subnets(new_prefix=24) if not any(s.overlaps(t) for t in taken)
+            )
+            subnet = next(free, None)
+            if subnet is None:
+                raise NetworkError(f"every /24 of {UPLINKED} is routed already")
+            self.subnet = subnet
+            self.uplink_address = str(subnet.network_address + 254)
+            self._uplink_device = device
+            _ip("link", "add", device, "type", "veth", "peer", "name", "uplink",
+                "netns", self.switch)  # fmt: skip
+            _ip("link", "set", "uplink", "master", "br0", "up", netns=self.switch)
+            _ip("addr", "add", f"{self.uplink_address}/24", "dev", device)
+            _ip("link", "set", device, "up")
 
     def _add_host(self, host: Host) -> None:
         self.hosts.append(host)
@@ -236,7 +278,14 @@ class Network:
         _ip("link", "add", host.port, "type", "veth", "peer", "name", "eth0", "netns",
             host.netns, netns=self.switch)  # fmt: skip
         _ip("link", "set", host.port, "master", "br0", "up", netns=self.switch)
-        _ip("addr", "add", f"{host.address}/{SUBNET.prefixlen}", "dev", "eth0", netns=host.netns)
+        _ip(
+            "addr",
+            "add",
+            f"{host.address}/{self.subnet.prefixlen}",
+            "dev",
+            "eth0",
+            netns=host.netns,
+        )
         _ip("link", "set", "eth0", "up", netns=host.netns)
         _ip("link", "set", "lo", "up", netns=host.netns)
 
@@ -254,6 +303,9 @@ class Network:
                 host.kill()
             except NetworkError as exc:
                 errors.append(str(exc))
+        if self._uplink_device is not None:  # at once: a namespace's links go only later
+            _ip("link", "del", self._uplink_device, check=False)
+            self._uplink_device = None
         for netns in [h.netns for h in self.hosts] + [self.switch]:
             _ip("netns", "del", netns, check=False)
         self.hosts = []

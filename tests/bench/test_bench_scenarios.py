@@ -17,6 +17,7 @@ import pytest
 from kvflow.bench.overhead import FLAT_SHARE, growth
 from kvflow.cli import main
 from kvflow.copying.host import NATIVE
+from tests.support.hosts import require_hosts
 from tests.support.pools import require_mooncake
 
 
@@ -276,8 +277,6 @@ def test_bench_core(
 
 def test_hosts(tmp_path: Path) -> None:
     """The multi-host scenario, tiny: real namespaces, a real master, real Mooncake clients."""
-    from tests.hosts.conftest import require_hosts
-
     require_hosts()
     require_mooncake()
     path = tmp_path / "hosts.json"

@@ -1,5 +1,5 @@
 """Fixtures for the multi-host tests: hosts are network namespaces on this machine (root only;
-elsewhere the tests skip, naming why, and in CI they fail)."""
+``tests.support.hosts``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvflow.bench.cluster import Cluster
-from kvflow.testing import netns
-from tests.support.pools import require_mooncake, unavailable
-
-
-def require_hosts() -> None:
-    reason = netns.unavailable()
-    if reason is not None:
-        unavailable(f"multi-host tests: {reason}")
+from tests.support.hosts import require_hosts
+from tests.support.pools import require_mooncake
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 
 from kvflow.bench.hostfaults import FAULTS, run_fault, step_bound
 from kvflow.testing import netns
-from tests.hosts.conftest import require_hosts
+from tests.support.hosts import require_hosts
 from tests.support.pools import require_mooncake
 
 pytestmark = pytest.mark.slow

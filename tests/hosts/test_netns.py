@@ -4,7 +4,9 @@ when the maker dies without closing."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +16,7 @@ import pytest
 
 from kvflow.testing import netns
 from kvflow.testing.netns import Network
-from tests.hosts.conftest import require_hosts
+from tests.support.hosts import require_hosts
 
 CONNECT = (
     "import socket, sys\n"
@@ -126,3 +128,26 @@ def test_impair_refuses_bad_values_or_says_netem_is_missing() -> None:
         if not netns.has_netem():
             with pytest.raises(netns.NetworkError, match="netem"):
                 net[0].impair(delay_ms=5)
+
+
+def test_uplinked_networks_take_their_own_subnets_and_leave_no_route(tmp_path: Path) -> None:
+    """This process reaches an uplinked network's hosts; two at once do not overlap; closing
+    one removes its link and route from this namespace at once."""
+    require_hosts()
+    with Network(2, uplink=True) as one, Network(1, uplink=True) as two:
+        assert not one.subnet.overlaps(two.subnet)
+        assert {ipaddress.ip_address(a) for a in (one[0].address, one.uplink_address)} <= set(
+            one.subnet
+        )
+        listen(one, 1, tmp_path / "listen.out")
+        socket.create_connection((one[1].address, 5000), timeout=5.0).close()
+        subnets = {str(one.subnet), str(two.subnet)}
+        assert subnets <= _routes()
+    assert not subnets & _routes()
+
+
+def _routes() -> set[str]:
+    out = subprocess.run(
+        ["ip", "route", "show"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    return {line.split()[0] for line in out.splitlines()}
