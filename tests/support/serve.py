@@ -84,7 +84,11 @@ def serve_args(
 class Server:
     """One ``vllm serve`` process (with its engine and worker processes: one process group),
     on a free loopback port. ``ready()`` waits for ``/health``; ``stop()`` ends the group.
-    ``Server.proxy`` starts the P/D proxy of ``examples/pd_proxy.py`` the same way."""
+    ``Server.proxy`` starts the P/D proxy of ``examples/pd_proxy.py`` the same way.
+
+    On another host (``kvflow.testing.netns``): ``prefix`` runs the command there
+    (``host.command([])``, which execs it: the process and its group are the server's) and
+    ``host`` is the address it serves on, one this process can reach (an uplinked network)."""
 
     def __init__(
         self,
@@ -96,14 +100,17 @@ class Server:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         command: list[str] | None = None,
+        host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
     ) -> None:
+        self.host = host
         self.port = free_port()
         self.log = log
-        command = [python, *(command or [
+        command = [*(prefix or []), python, *(command or [
             "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--served-model-name", MODEL_NAME,
             "--disable-uvicorn-access-log", *args,
-        ]), "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+        ]), "--host", host, "--port", str(self.port)]  # fmt: skip
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 command,
@@ -126,7 +133,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log_tail(self, chars: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
@@ -141,14 +148,14 @@ class Server:
                     f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
             with contextlib.suppress(OSError, http.client.HTTPException):
-                if get(self.port, "/health", timeout=5.0)[0] == 200:
+                if get(self.port, "/health", timeout=5.0, host=self.host)[0] == 200:
                     return
             time.sleep(1.0)
         raise RuntimeError(f"vllm serve not up after {timeout:g} s:\n{self.log_tail()}")
 
     def metrics(self) -> dict[str, float]:
         """``/metrics``, each series summed over its labels."""
-        status, body = get(self.port, "/metrics", timeout=30.0)
+        status, body = get(self.port, "/metrics", timeout=30.0, host=self.host)
         if status != 200:
             raise RuntimeError(f"/metrics answered {status}")
         return parse_metrics(body.decode())
@@ -172,8 +179,8 @@ class Server:
         self.stop()
 
 
-def get(port: int, path: str, timeout: float) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def get(port: int, path: str, timeout: float, host: str = "127.0.0.1") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", path)
         response = conn.getresponse()
@@ -316,12 +323,15 @@ def stop_pool(socket_path: str, python: str = sys.executable) -> None:
 # -- what vllm_ttft.py and vllm_serve.py share -------------------------------------------------
 
 
-def kvflow_mooncake_extra(master: str, segment: str, **more: Any) -> dict[str, Any]:
+def kvflow_mooncake_extra(
+    master: str, segment: str, local_hostname: str = "127.0.0.1", **more: Any
+) -> dict[str, Any]:
     """kvflow's ``kv_connector_extra_config`` for its Mooncake store on ``master``, a segment
-    of ``segment`` bytes (e.g. "1GiB") in the worker."""
+    of ``segment`` bytes (e.g. "1GiB"; "0": a pure client) in the worker, which other hosts
+    reach at ``local_hostname``."""
     mooncake = {
         "master_server_address": master,
-        "local_hostname": "127.0.0.1",
+        "local_hostname": local_hostname,
         "global_segment_size": segment,
         "key_prefix": "bench/",
     }

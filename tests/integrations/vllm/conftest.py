@@ -16,6 +16,7 @@ import pytest
 
 from kvflow import cli
 from kvflow.pool.launch import is_serving
+from tests.support.pd import reference_answers
 from tests.support.pools import unavailable
 from tests.support.vllm import (
     ForkServer,
@@ -110,3 +111,11 @@ def pool_dir() -> Iterator[str]:
         if is_serving(socket):  # `kvflow pool stop`, in this process
             cli.main(["pool", "--socket", socket, "stop", "--timeout", "60"])
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pd_reference(
+    vllm_python: str, tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[list[int]]]:
+    """The tokens one instance without a connector answers the P/D tests' prompts with."""
+    return reference_answers(vllm_python, tiny_model, tmp_path_factory.mktemp("pd-reference"))
