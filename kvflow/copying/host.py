@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from importlib import import_module
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,7 @@ Mover = Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # (dst, src, sizes
 _native: Callable[..., Any] | None
 _native_async: Callable[..., Any] | None
 try:
-    from kvflow import _native as _module  # type: ignore[attr-defined,unused-ignore]
+    _module: Any = import_module("kvflow._native")  # compiled, without type information
 
     _native, _native_async = _module.batch_copy, _module.batch_copy_async
     HOST_MEMCPY_ASYNC: int = _module.HOST_MEMCPY_ASYNC

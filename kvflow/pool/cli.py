@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
+import select
 import signal
 import sys
 import time
@@ -27,6 +29,7 @@ from kvflow.pool.config import (
 )
 from kvflow.pool.launch import (
     EXIT_RUNNING,
+    alive,
     differences,
     is_serving,
     read_pid,
@@ -261,19 +264,36 @@ def _serve(args: argparse.Namespace) -> int:
             option = "--" + exc.argument.replace("_", "-")
             print(f"kvflow serve: {option} {exc.value}: {exc.reason}", file=sys.stderr)
             return 2
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: server.stop())
+        wake = _wake_on_signals(server)
         print(f"kvflow pool: serving {config.size} bytes on {config.socket} (pid {os.getpid()})")
         print(f"  clients: kvflow.SharedStore(socket={config.socket!r})")
         if metrics is not None:
             print(f"  metrics: {metrics.url}")
         sys.stdout.flush()
-        while not server.wait(1.0):
-            pass
+        while not server.wait(0):
+            select.select([wake], [], [], 1.0)  # a signal wakes this at once, then stops
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake, 64)
     finally:
         if metrics is not None:
             metrics.stop()
     return 0
+
+
+def _wake_on_signals(server: PoolServer) -> int:
+    """SIGTERM and SIGINT stop ``server``; returns a descriptor that becomes readable when one
+    comes. Python runs a signal's handler on the main thread, but the kernel may hand the
+    signal to any thread, and then a main thread asleep in a timed wait would notice it only
+    when the wait ends: ``stop`` would take up to that long, and a client restarting the pool
+    would find the old one still there. The wakeup descriptor is written whichever thread
+    got it."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    return read
 
 
 def _already_running(config: PoolConfig, asked: set[str], detach: bool) -> int:
@@ -326,7 +346,7 @@ def _stop(args: argparse.Namespace) -> int:
     print(f"kvflow pool: stopping the pool on {path} (pid {pid})", flush=True)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
-    while is_serving(path) or _alive(pid):
+    while is_serving(path) or alive(pid):
         if time.monotonic() > deadline:
             print(
                 f"kvflow pool: the pool on {path} (pid {pid}) still serves after "
@@ -337,16 +357,6 @@ def _stop(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     print(f"kvflow pool: stopped the pool on {path} (pid {pid})")
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _size(n: int) -> str:

@@ -227,6 +227,24 @@ def start_in_background(config: PoolConfig, timeout_s: float) -> None:
         raise StoreUnavailableError(f"could not start a pool server on {config.socket}: {reason}")
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs. A zombie does not: it has exited, and whoever
+    inherited it (init, for a detached server) may reap it only a second or more later."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
 def read_pid(path: str) -> int:
     with contextlib.suppress(OSError, ValueError), open(sibling(path, ".pid")) as f:
         return int(f.read().strip())

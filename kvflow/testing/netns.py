@@ -45,6 +45,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvflow.pool.launch import alive
+
 __all__ = ["Host", "Network", "NetworkError", "unavailable"]
 
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
@@ -109,16 +111,6 @@ def has_netem() -> bool:
 def _namespace_pids(netns: str) -> list[int]:
     out = _ip("netns", "pids", netns, check=False)
     return [int(p) for p in out.split() if p.isdigit()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Host:
@@ -331,7 +323,7 @@ def sweep() -> list[str]:
         if not name.startswith(_PREFIX):
             continue
         owner = name[len(_PREFIX) :].split("x", 1)[0]
-        if not owner.isdigit() or _alive(int(owner)):
+        if not owner.isdigit() or alive(int(owner)):
             continue
         for pid in _namespace_pids(name):
             with contextlib.suppress(ProcessLookupError):

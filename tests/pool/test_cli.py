@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import pytest
 import kvflow
 from kvflow.abc import WriteSession
 from kvflow.cli import main
-from kvflow.pool.launch import EXIT_RUNNING, is_serving, read_pid
+from kvflow.pool.launch import EXIT_RUNNING, alive, is_serving, read_pid
 from tests.support.processes import REPO, ServeProcess, live_server_pids, thread_affinities
 from tests.support.waits import wait_until
 
@@ -245,3 +246,47 @@ def test_serve_pins_its_threads_to_the_cpus_given(sock_dir: str) -> None:
     code, _, err = kvflow_cli("serve", "--socket", path, "--capacity", "8MiB", "--cpus", "99999")
     assert code == 2
     assert "--cpus (99999,)" in err and not os.path.exists(path)
+
+
+def test_the_pool_server_imports_no_torch() -> None:
+    """A client that finds the pool gone starts ``kvflow serve``: its imports are what the
+    clients wait for, so the server's modules leave the engine (and torch) unimported, while
+    ``kvflow.TransferEngine`` and the rest still resolve on first use."""
+    script = (
+        "import sys\n"
+        "import kvflow.pool.cli, kvflow.cli\n"
+        "print('torch' in sys.modules)\n"
+        "import kvflow\n"
+        "print(kvflow.TransferEngine.__module__, kvflow.SharedStore.__module__)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == [
+        "False",
+        "kvflow.pipeline.engine kvflow.pool.store",
+        "True",
+    ]
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        kvflow.Nope  # noqa: B018
+
+
+def test_a_zombie_is_not_a_running_server() -> None:
+    """A detached server that exited stays a zombie until init reaps it, which may take a
+    second: ``pool stop`` must not wait for that (``alive``)."""
+    child = subprocess.Popen(["true"])
+    try:
+        wait_until(
+            lambda: (
+                Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+            ),
+            timeout=60.0,
+            what="the child to exit",
+        )
+        assert not alive(child.pid)
+        assert alive(os.getpid())
+    finally:
+        child.wait()
+    assert not alive(child.pid)
