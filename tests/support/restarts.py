@@ -34,9 +34,15 @@ CONCURRENCY = 2
 SCRAPE_S = 0.1
 
 
-def prompt(i: int) -> list[int]:
-    prefix = np.random.default_rng(7000 + i % PREFIXES).integers(3, 1024, PREFIX_TOKENS)
-    suffix = np.random.default_rng(8000 + i).integers(3, 1024, SUFFIX_TOKENS)
+def prompt(
+    i: int,
+    prefixes: int = PREFIXES,
+    prefix_tokens: int = PREFIX_TOKENS,
+    suffix_tokens: int = SUFFIX_TOKENS,
+) -> list[int]:
+    """Request ``i``'s tokens: prefix ``i % prefixes``, then its own suffix."""
+    prefix = np.random.default_rng(7000 + i % prefixes).integers(3, 1024, prefix_tokens)
+    suffix = np.random.default_rng(8000 + i).integers(3, 1024, suffix_tokens)
     return [int(t) for t in np.concatenate([prefix, suffix])]
 
 
@@ -48,13 +54,19 @@ class Answer:
     tokens: list[int]
 
 
-def ask(url: str, indices: range, fault: Callable[[], object] | None = None) -> list[Answer]:
-    """Requests ``indices``, ``CONCURRENCY`` at a time; with ``fault``, it is made (on this
-    thread) once the first of them has answered, while the others are in flight."""
+def ask(
+    url: str,
+    indices: range,
+    fault: Callable[[], object] | None = None,
+    prompts: Callable[[int], list[int]] = prompt,
+) -> list[Answer]:
+    """Requests ``indices`` (``prompts(i)``), ``CONCURRENCY`` at a time; with ``fault``, it is
+    made (on this thread) once the first of them has answered, while the others are in
+    flight."""
 
     def one(i: int) -> Answer:
         sent = time.monotonic()
-        out = stream_completion(url, prompt(i), max_tokens=MAX_TOKENS, timeout=120.0)
+        out = stream_completion(url, prompts(i), max_tokens=MAX_TOKENS, timeout=120.0)
         return Answer(i, sent, out["ttft_s"], out["tokens"])
 
     with ThreadPoolExecutor(max_workers=CONCURRENCY) as threads:
