@@ -48,12 +48,12 @@ def test_mla_cold_warm_partial_and_failed_loads(
     prompt for some hit lengths; loaded KV is right when the tokens are vLLM's own cached path's.
     """
     warm_prompts = [A, A_204, B, A_400]
-    ref = vllm(warm_prompts, model=mla_model, llm=F32, one_by_one=True, force_prefix_caching=True)
+    ref = vllm(warm_prompts, model=mla_model, llm=MLA, one_by_one=True, force_prefix_caching=True)
     assert cached(ref) == [0, 192, 192, 288]  # vLLM's own hits, in 16-token blocks
     assert len({tuple(t) for t in tokens(ref)}) == 4  # the tokens depend on the context
     extra = shared_extra(pool_dir, chunk_blocks=2)
 
-    cold = vllm([A], model=mla_model, extra=extra, llm=F32)
+    cold = vllm([A], model=mla_model, extra=extra, llm=MLA)
     assert "Using CPU_MLA backend" in cold["log"]
     assert "kvflow: worker connector on the shared pool" in cold["log"]
     assert "kvflow: MLA on vLLM's CPU platform" in cold["log"]
@@ -61,14 +61,14 @@ def test_mla_cold_warm_partial_and_failed_loads(
     assert tokens(cold) == tokens(ref)[:1]  # A without a hit: as computed whole
     assert objects(pool_dir) == MLA_CHUNKS
 
-    warm = vllm(warm_prompts, model=mla_model, extra=extra, llm=F32, one_by_one=True)
+    warm = vllm(warm_prompts, model=mla_model, extra=extra, llm=MLA, one_by_one=True)
     assert cached(warm) == [hit(A), hit(A_204), hit(B, shared=200), hit(A_400, shared=300)]
     assert cached(warm)[1:] == cached(ref)[1:]  # the lengths of vLLM's own hits
     assert tokens(warm) == tokens(ref)
     # B's own whole chunks (tokens 192-287), A_400's past A's (288-383)
     assert objects(pool_dir) == MLA_CHUNKS + 3 + 3
 
-    failing = vllm([A], model=mla_model, extra={**extra, "debug_fail_loads": True}, llm=F32)
+    failing = vllm([A], model=mla_model, extra={**extra, "debug_fail_loads": True}, llm=MLA)
     assert "Recovered from KV load failure" in failing["log"]
     assert tokens(failing) == tokens(ref)[:1]
 
@@ -149,7 +149,10 @@ def test_vllm_gives_mla_layers_the_shapes_kvflow_reads(vllm_python: str) -> None
         }, name
 
 
-TP2 = {"tensor_parallel_size": 2, **F32}
+# vLLM picks its AMX MLA kernels on a CPU with AMX, and they take bfloat16 weights only: the
+# reference CPU backend runs these float32 models on every CPU
+MLA = {**F32, "attention_config": {"backend": "CPU_MLA"}}
+TP2 = {"tensor_parallel_size": 2, **MLA}
 ENV_TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # a core per rank
 
 
