@@ -85,17 +85,28 @@ REQUEST_TIMEOUT_S = 120.0  # one leg; a pool that stalls longer fails the reques
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}  # see the docstring
 
 
+PD_ROLES = {"kv_producer": "kv_producer", "kv_consumer": "kv_consumer"}
+
+
 def start(
-    rows: list[str], model: str, concurrency: int, work: Path, stack: contextlib.ExitStack
+    rows: list[str],
+    model: str,
+    concurrency: int,
+    work: Path,
+    stack: contextlib.ExitStack,
+    roles: dict[str, str] = PD_ROLES,
+    num_blocks: int = DEVICE_BLOCKS,
 ) -> dict[str, dict[str, Server]]:
-    """Per row its producer and consumer (``single``: one server), started at once, waited
-    for, and stopped with their pools and masters when ``stack`` closes."""
+    """Per row a server in each of ``roles`` (its name: vLLM's ``kv_role``) on the row's pool,
+    by default its producer and consumer; ``single``: one server without a connector. All
+    started at once, waited for, and stopped with their pools and masters when ``stack``
+    closes."""
     servers: dict[str, dict[str, Server]] = {}
 
     def launch(row: str, role: str, transfer: dict[str, Any] | None, env: dict[str, str]) -> None:
         args = serve_args(
             block_size=BLOCK,
-            num_blocks=DEVICE_BLOCKS,
+            num_blocks=num_blocks,
             max_model_len=MAX_MODEL_LEN,
             max_num_seqs=concurrency,
             kv_transfer_config=transfer,
@@ -109,7 +120,7 @@ def start(
     launch("single", "single", None, {})
     for row in rows:
         env: dict[str, str] = {}
-        for role in ("kv_producer", "kv_consumer"):
+        for role, kv_role in roles.items():
             if row in ("kvflow_shared", "kvflow_shared_both"):
                 if not env:
                     directory = tempfile.mkdtemp(prefix="kvpd-", dir="/tmp")
@@ -117,12 +128,12 @@ def start(
                     stack.callback(shutil.rmtree, directory, ignore_errors=True)
                     stack.callback(stop_pool, env["KVFLOW_POOL_SOCKET"])
                 both = row == "kvflow_shared_both" and role == "kv_producer"
-                transfer = kvflow_transfer_config({}, "kv_both" if both else role)
+                transfer = kvflow_transfer_config({}, "kv_both" if both else kv_role)
             elif row == "kvflow_mooncake":
                 if not env:
                     env["master"] = stack.enter_context(MooncakeMaster()).address
                 extra = kvflow_mooncake_extra(env["master"], POOL)
-                transfer = kvflow_transfer_config(extra, role)
+                transfer = kvflow_transfer_config(extra, kv_role)
             else:
                 if not env:
                     master = stack.enter_context(MooncakeMaster()).address
@@ -130,7 +141,7 @@ def start(
                     env.update(mooncake_store_connector_env(work / f"{row}.json", master, segment))
                 transfer = {
                     "kv_connector": "MooncakeStoreConnector",
-                    "kv_role": role,
+                    "kv_role": kv_role,
                     "kv_load_failure_policy": "recompute",  # as kvflow's rows
                 }
             launch(row, role, transfer, {k: v for k, v in env.items() if k != "master"})

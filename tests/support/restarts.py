@@ -59,8 +59,9 @@ def ask(
     indices: range,
     fault: Callable[[], object] | None = None,
     prompts: Callable[[int], list[int]] = prompt,
+    concurrency: int = CONCURRENCY,
 ) -> list[Answer]:
-    """Requests ``indices`` (``prompts(i)``), ``CONCURRENCY`` at a time; with ``fault``, it is
+    """Requests ``indices`` (``prompts(i)``), ``concurrency`` at a time; with ``fault``, it is
     made (on this thread) once the first of them has answered, while the others are in
     flight."""
 
@@ -69,7 +70,7 @@ def ask(
         out = stream_completion(url, prompts(i), max_tokens=MAX_TOKENS, timeout=120.0)
         return Answer(i, sent, out["ttft_s"], out["tokens"])
 
-    with ThreadPoolExecutor(max_workers=CONCURRENCY) as threads:
+    with ThreadPoolExecutor(max_workers=concurrency) as threads:
         futures: list[Future[Answer]] = [threads.submit(one, i) for i in indices]
         if fault is not None:
             deadline = time.monotonic() + 300.0
