@@ -18,7 +18,9 @@ run on request only: ``kvflow_chunkN``, the ``kvflow`` row with chunks of ``N`` 
 (``shared``'s ``disk_dir``, ``disk_capacity``: the pool it starts has them); ``floor``, vLLM's
 prefix cache alone
 with device KV for the whole working set and every running request beside it (what any
-connector could at best give: every prefix a device hit).
+connector could at best give: every prefix a device hit); ``kvflow_floor`` and
+``mooncake_store_connector_floor``, those connectors on the floor's device KV (the pool adds
+nothing there: what its lookups and saves cost a prefix cache that hits on its own).
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -83,7 +85,13 @@ ROWS = (
     "mooncake_store_connector",
     "kvflow_two_servers",
 )
-ON_REQUEST = ("floor", "kvflow_small_pool", "kvflow_small_pool_disk")  # and kvflow_chunkN
+ON_REQUEST = (
+    "floor",
+    "kvflow_small_pool",
+    "kvflow_small_pool_disk",
+    "kvflow_floor",
+    "mooncake_store_connector_floor",
+)  # and kvflow_chunkN
 CHUNK_ROW = re.compile(r"kvflow_chunk([1-9][0-9]*)")  # kvflow with chunks of that many tokens
 WORKLOADS = ("bench", "chat")
 VOCAB = 1024  # the random model's
@@ -160,11 +168,13 @@ def start_rows(
     masters) when ``stack`` closes."""
     servers: dict[str, list[Server]] = {}
     for row in rows:
+        floor = row.endswith("floor")  # the floor's device KV
+        connector = row.removesuffix("_floor")
         env: dict[str, str] = {}
         transfer: dict[str, Any] | None = None
         count = 2 if row == "kvflow_two_servers" else 1
         chunk = CHUNK_ROW.fullmatch(row)
-        if row in ("kvflow", "kvflow_two_servers") or chunk or row.startswith("kvflow_small"):
+        if connector in ("kvflow", "kvflow_two_servers") or chunk or row.startswith("kvflow_small"):
             directory = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
             socket = f"{directory}/pool.sock"
             env["KVFLOW_POOL_SOCKET"] = socket
@@ -179,17 +189,17 @@ def start_rows(
                 if row.endswith("_disk"):
                     extra["shared"].update(disk_dir=f"{directory}/disk", disk_capacity=2 * most)
             transfer = kvflow_transfer_config(extra)
-        elif row == "kvflow_mooncake":
+        elif connector == "kvflow_mooncake":
             master = stack.enter_context(MooncakeMaster()).address
             transfer = kvflow_transfer_config(kvflow_mooncake_extra(master, shape.pool))
-        elif row == "mooncake_store_connector":
+        elif connector == "mooncake_store_connector":
             master = stack.enter_context(MooncakeMaster()).address
             segment = shape.pool.replace("iB", "B")  # Mooncake reads "1GB"
             env.update(mooncake_store_connector_env(work / f"{row}.json", master, segment))
             transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
         args = serve_args(
             block_size=shape.block,
-            num_blocks=shape.floor_blocks() if row == "floor" else shape.num_blocks,
+            num_blocks=shape.floor_blocks() if floor else shape.num_blocks,
             max_model_len=shape.max_model_len,
             max_num_seqs=shape.concurrency,
             kv_transfer_config=transfer,
