@@ -8,12 +8,14 @@ device-resident prefix.
 Per row two ``vllm serve`` instances on one pool (``vllm_pd.start``: all servers up at once,
 unbound, one compute thread each, float32, ``DEVICE_BLOCKS`` blocks of device KV, vLLM's prefix
 cache on): ``seed`` computes a ``PREFIX_TOKENS``-token prefix (the connector saves it), then
-``herd`` (whose device never held it) gets ``--size`` requests sharing it, each with its own
-suffix, all at once (``tests/support/herd.py``, ``/metrics`` scraped every 100 ms). Rows:
-``kvflow_shared`` (KVFlowConnector on its defaults, the node's shared pool on a private
-socket), ``kvflow_mooncake`` (KVFlowConnector on a ``mooncake_master``),
-``mooncake_store_connector`` (vLLM's own, on a master of its own); ``single`` (no connector)
-computes the prefix itself and then gets the same herd: the device-resident reference. Each
+``herd`` (whose device never held it) computes a prompt as long of a prefix of its own (so it
+is as busy just before as ``single`` below), then gets ``--size`` requests sharing the seed's
+prefix, each with its own suffix, all at once (``tests/support/herd.py``, ``/metrics``
+scraped every 100 ms). Rows: ``kvflow_shared`` (KVFlowConnector on its defaults, the node's
+shared pool on a private socket), ``kvflow_mooncake`` (KVFlowConnector on a
+``mooncake_master``), ``mooncake_store_connector`` (vLLM's own, on a master of its own);
+``single`` (no connector) computes the prefix itself and then gets the same herd: the
+device-resident reference. Each
 repeat a new prefix, the rows in a balanced order, every server started once.
 
 Per row: TTFT mean and p99 over every herd request, their ratios to ``single``'s and to
@@ -48,6 +50,7 @@ PEER = "mooncake_store_connector"
 SHAPE = {"layers": 8, "hidden": 512}
 DEVICE_BLOCKS = 128  # 4096 tokens: the prefix and a whole herd's suffixes
 SETTLE_S = 1.0  # after the seed: a connector that saves after the step has done so
+OWN = 10_000  # the herd server's own prefixes: prefix OWN + i before the herd on prefix i
 OUT = REPO / "bench-results"
 
 
@@ -58,6 +61,8 @@ def run(servers: dict[str, Any], row: str, prefix: int, size: int) -> dict[str, 
         result = herd(servers["single"], prefix, size)
     else:
         seed(servers["seed"], prefix)
+        # as busy as single's server just was: a prompt as long, of a prefix of its own
+        seed(servers["herd"], OWN + prefix)
         time.sleep(SETTLE_S)
         result = herd(servers["herd"], prefix, size)
     return {**result.summary(), "tokens": [a.tokens for a in result.answers]}
