@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from vllm_pd import MAX_MODEL_LEN, start
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the serving helpers are shared with the tests
 from tests.support.herd import PREFIX_TOKENS, SIZE, herd, seed  # noqa: E402
-from tests.support.serve import order, write_report  # noqa: E402
+from tests.support.serve import chosen_rows, order, write_report  # noqa: E402
 
 ROWS = ("kvflow_shared", "kvflow_mooncake", "mooncake_store_connector")
 PEER = "mooncake_store_connector"
@@ -113,10 +112,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=4, help="herds per row (4)")
     parser.add_argument("--json", default=str(OUT / "vllm_herd.json"))
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    rows = args.rows.split(",")
-    if unknown := sorted(set(rows) - set(ROWS)):
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    rows = chosen_rows(parser, args.rows, ROWS)
     if args.repeats < 1 or not 1 <= args.size <= 64:
         parser.error(f"--repeats must be >= 1 and --size in 1..64, got {args.repeats}, {args.size}")
     from kvflow.testing.models import build

@@ -7,12 +7,13 @@ eviction tests count objects). A factory whose engine is unavailable may call ``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -230,3 +231,15 @@ def close_stores() -> None:
     interpreter exit retries the master for minutes."""
     while _MADE:
         _MADE.pop().close()
+
+
+@contextlib.contextmanager
+def pool_server(socket: str, capacity: str) -> Iterator[PoolServer]:
+    """A kvflow pool server on ``socket`` with ``capacity``, on threads of this process, stopped
+    however the block ends."""
+    server = PoolServer(PoolConfig(socket=socket, capacity=capacity))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -14,6 +14,7 @@ calling thread (every read bounded by its timeout) and may run on many threads a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import json
@@ -355,6 +356,17 @@ def mooncake_store_connector_env(path: Path, master: str, segment: str) -> dict[
     }
     path.write_text(json.dumps(config))
     return {"MOONCAKE_CONFIG_PATH": str(path), "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def chosen_rows(parser: argparse.ArgumentParser, rows: str, known: tuple[str, ...]) -> list[str]:
+    """A benchmark's ``--rows`` (comma-separated), each one of ``known`` (else the parser's
+    error names the others). From now on SIGTERM unwinds like Ctrl-C, so the servers, pools
+    and masters the benchmark starts are stopped."""
+    chosen = rows.split(",")
+    if unknown := sorted(set(chosen) - set(known)):
+        parser.error(f"unknown rows {unknown}; known: {', '.join(known)}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    return chosen
 
 
 def order(rows: list[str], i: int) -> list[str]:

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from kvflow.pool import PoolConfig, PoolServer
 from tests.support.pd import (
     DOWN,
     PROMPTS,
@@ -29,7 +28,7 @@ from tests.support.pd import (
     running,
     start,
 )
-from tests.support.pools import require_mooncake
+from tests.support.pools import pool_server, require_mooncake
 from tests.support.serve import Server, kvflow_mooncake_extra, kvflow_transfer_config
 from tests.support.vllm import keep_log
 
@@ -37,16 +36,12 @@ from tests.support.vllm import keep_log
 @pytest.fixture
 def shared_pool(tmp_path: Path) -> Iterator[dict[str, Any]]:
     socket = f"{tmp_path}/pool.sock"
-    server = PoolServer(PoolConfig(socket=socket, capacity="256MiB"))
-    server.start()
-    try:
+    with pool_server(socket, "256MiB") as server:
         yield {
             # no auto-start: a stopped pool stays stopped (and nothing outlives the test)
             "extra": {"shared": {"socket": socket, "auto_start": False}, "lookup_timeout_s": 30.0},
             "stop": server.stop,
         }
-    finally:
-        server.stop()
 
 
 @pytest.fixture

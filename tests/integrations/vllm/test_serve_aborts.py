@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvflow.pool import PoolConfig, PoolServer
+from tests.support.pools import pool_server
 from tests.support.processes import REPO
 from tests.support.serve import (
     Server,
@@ -48,13 +48,8 @@ FRESH = PREFIX + _tokens(64, 99)
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[str]:
     """A pool server on a private socket, on threads of this process."""
-    socket = f"{tmp_path}/pool.sock"
-    server = PoolServer(PoolConfig(socket=socket, capacity="128MiB"))
-    server.start()
-    try:
-        yield socket
-    finally:
-        server.stop()
+    with pool_server(f"{tmp_path}/pool.sock", "128MiB"):
+        yield f"{tmp_path}/pool.sock"
 
 
 @pytest.fixture

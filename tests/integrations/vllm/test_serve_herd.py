@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.pool import PoolConfig, PoolServer
 from tests.support.herd import herd, seed
 from tests.support.pd import running, start
+from tests.support.pools import pool_server
 from tests.support.serve import kvflow_transfer_config, pool_stats
 
 PREFIX = 768  # 12 chunks; the instances' device KV (64 blocks of 32) holds it and the herd
@@ -28,13 +28,8 @@ SIZE = 8
 
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[str]:
-    socket = f"{tmp_path}/pool.sock"
-    server = PoolServer(PoolConfig(socket=socket, capacity="256MiB"))
-    server.start()
-    try:
-        yield socket
-    finally:
-        server.stop()
+    with pool_server(f"{tmp_path}/pool.sock", "256MiB"):
+        yield f"{tmp_path}/pool.sock"
 
 
 def test_a_herd_on_a_pooled_prefix_loads_it_once(
