@@ -14,9 +14,10 @@ the time a new one (never seen before) and otherwise one of the last ``RECENT`` 
 then its own ``SUFFIX_TOKENS``; ``MAX_TOKENS`` out. A new prefix's KV is ~8.5 MiB: every pool
 is full after the first ~120 and evicts from then on, and the device's cache holds a few.
 
-Every ``SAMPLE_S`` seconds: the resident memory (``VmRSS``) of every process of each row's
-``vllm serve`` (its process group: API server, engine core) and of the row's pool process
-(``kvflow serve``; ``mooncake_master``), and the requests answered so far. Per row and process
+Every ``SAMPLE_S`` seconds: the resident memory (``VmRSS``, and ``RssAnon``: the heap, without
+the pool's shared pages) of every process of each row's ``vllm serve`` (its process group: API
+server, engine core, worker), summed and the largest, and of the row's pool process (``kvflow
+serve``; ``mooncake_master``), and the requests answered so far. Per row and process
 kind: RSS at the end of the warm-up (the first third of the run) and at the end, and the slope
 after warm-up, a least-squares line of RSS against requests answered, in MiB per 1,000
 requests; failed requests.
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -36,12 +36,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from vllm_serve import Shape, start_rows
+from vllm_serve import Shape, build_model, start_rows
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the serving helpers are shared with the tests
 from kvflow.pool.launch import read_pid  # noqa: E402
-from tests.support.serve import Server, stream_completion, write_report  # noqa: E402
+from tests.support.serve import (  # noqa: E402
+    Server,
+    chosen_rows,
+    stream_completion,
+    write_report,
+)
 
 ROWS = ("kvflow", "kvflow_mooncake", "mooncake_store_connector")
 SHAPE = Shape(
@@ -54,6 +59,7 @@ RECENT = 32
 CLIENTS = 2
 SAMPLE_S = 10.0
 OUT = REPO / "bench-results"
+KEYS = ("vllm_mib", "vllm_anon_mib", "vllm_largest_mib", "pool_mib", "pool_anon_mib")
 
 
 def replay_prompt(row_seed: int, n: int) -> list[int]:
@@ -66,13 +72,17 @@ def replay_prompt(row_seed: int, n: int) -> list[int]:
     return [int(t) for t in np.concatenate([head, tail])]
 
 
-def rss_mib(pid: int) -> float:
-    """A process's resident memory in MiB (0: gone)."""
+def rss_mib(pid: int) -> dict[str, float]:
+    """A process's resident memory in MiB: ``rss`` (VmRSS), ``anon`` (RssAnon: its heap, what
+    a leak grows; the rest is files and shared memory such as a pool's arena or a Mooncake
+    segment, whose pages count as they are first touched). Zeros: gone."""
+    out = {"rss": 0.0, "anon": 0.0}
     with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+            key = {"VmRSS:": "rss", "RssAnon:": "anon"}.get(line.split(":")[0] + ":")
+            if key:
+                out[key] = int(line.split()[1]) / 1024
+    return out
 
 
 def group(pgid: int) -> list[int]:
@@ -121,15 +131,18 @@ class Row:
                 self.failed += not ok
 
     def sample(self, t: float) -> None:
-        vllm = {pid: rss_mib(pid) for pid in group(self.server.proc.pid)}
-        pool = pool_pid(self.pool)
+        vllm = [rss_mib(pid) for pid in group(self.server.proc.pid)]
+        pid = pool_pid(self.pool)
+        pool = rss_mib(pid) if pid else None
         self.samples.append(
             {
                 "t_s": round(t, 1),
                 "answered": self.answered,
-                "vllm_mib": round(sum(vllm.values()), 1),
-                "vllm_largest_mib": round(max(vllm.values(), default=0.0), 1),
-                "pool_mib": round(rss_mib(pool), 1) if pool else None,
+                "vllm_mib": round(sum(m["rss"] for m in vllm), 1),
+                "vllm_anon_mib": round(sum(m["anon"] for m in vllm), 1),
+                "vllm_largest_mib": round(max((m["rss"] for m in vllm), default=0.0), 1),
+                "pool_mib": round(pool["rss"], 1) if pool else None,
+                "pool_anon_mib": round(pool["anon"], 1) if pool else None,
             }
         )
 
@@ -147,7 +160,7 @@ def summarize(row: Row, warmup_s: float) -> dict[str, Any]:
     at_warmup = next((s for s in row.samples if s["t_s"] >= warmup_s), row.samples[-1])
     last = row.samples[-1]
     out: dict[str, Any] = {"answered": row.answered, "failed": row.failed}
-    for key in ("vllm_mib", "vllm_largest_mib", "pool_mib"):
+    for key in KEYS:
         out[key] = {
             "at_warmup": at_warmup[key],
             "at_end": last[key],
@@ -162,19 +175,10 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=30.0, help="the replay's length (30)")
     parser.add_argument("--json", default=str(OUT / "vllm_replay.json"))
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    rows = args.rows.split(",")
-    if unknown := sorted(set(rows) - set(ROWS)):
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    rows = chosen_rows(parser, args.rows, ROWS)
     if args.minutes <= 0:
         parser.error(f"--minutes must be > 0, got {args.minutes}")
-    from kvflow.testing.models import build
-
-    name = f"kvflow-serve-llama-{SHAPE.layers}x{SHAPE.hidden}"
-    model = str(
-        build(f"{tempfile.gettempdir()}/{name}", layers=SHAPE.layers, hidden=SHAPE.hidden,
-              heads=SHAPE.heads, kv_heads=SHAPE.kv_heads)
-    )  # fmt: skip
+    model = build_model(SHAPE)
     work = Path(tempfile.mkdtemp(prefix="kvreplay-", dir="/tmp"))
     started, load_before = time.monotonic(), os.getloadavg()
     seconds = 60 * args.minutes
@@ -225,7 +229,7 @@ def main() -> int:
             + "  ".join(
                 f"{k} {s[k]['at_warmup']} -> {s[k]['at_end']} "
                 f"({s[k]['slope_mib_per_1000']} MiB/1000)"
-                for k in ("vllm_mib", "vllm_largest_mib", "pool_mib")
+                for k in KEYS
             )
         )
     print(f"JSON: {args.json}; logs: {work}", file=sys.stderr)

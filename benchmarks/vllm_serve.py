@@ -158,14 +158,32 @@ QUICK = Shape(
 )  # fmt: skip
 
 
+def build_model(shape: Shape) -> str:
+    """The random Llama of ``shape``, built once in the temporary folder; its path."""
+    from kvflow.testing.models import build
+
+    name = f"kvflow-serve-llama-{shape.layers}x{shape.hidden}"
+    return str(
+        build(f"{tempfile.gettempdir()}/{name}", layers=shape.layers, hidden=shape.hidden,
+              heads=shape.heads, kv_heads=shape.kv_heads)
+    )  # fmt: skip
+
+
 # -- servers ---------------------------------------------------------------------------------
 
 
 def start_rows(
-    rows: list[str], shape: Shape, model: str, work: Path, stack: contextlib.ExitStack
+    rows: list[str],
+    shape: Shape,
+    model: str,
+    work: Path,
+    stack: contextlib.ExitStack,
+    pools: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, list[Server]]:
     """Every row's servers, started at once and waited for; stopped (and their pools and
-    masters) when ``stack`` closes."""
+    masters) when ``stack`` closes. ``pools`` gets each row's pool: ``socket`` (kvflow's
+    shared pool, started by the first request) or ``master`` (its ``MooncakeMaster``)."""
+    pools = {} if pools is None else pools
     servers: dict[str, list[Server]] = {}
     for row in rows:
         floor = row.endswith("floor")  # the floor's device KV
@@ -178,6 +196,7 @@ def start_rows(
             directory = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
             socket = f"{directory}/pool.sock"
             env["KVFLOW_POOL_SOCKET"] = socket
+            pools[row] = {"socket": socket}
             stack.callback(shutil.rmtree, directory, ignore_errors=True)
             stack.callback(stop_pool, socket)  # first: callbacks run last to first
             extra: dict[str, Any] = {"chunk_blocks": int(chunk[1]) // shape.block} if chunk else {}
@@ -190,10 +209,12 @@ def start_rows(
                     extra["shared"].update(disk_dir=f"{directory}/disk", disk_capacity=2 * most)
             transfer = kvflow_transfer_config(extra)
         elif connector == "kvflow_mooncake":
-            master = stack.enter_context(MooncakeMaster()).address
+            pools[row] = {"master": stack.enter_context(MooncakeMaster())}
+            master = pools[row]["master"].address
             transfer = kvflow_transfer_config(kvflow_mooncake_extra(master, shape.pool))
         elif connector == "mooncake_store_connector":
-            master = stack.enter_context(MooncakeMaster()).address
+            pools[row] = {"master": stack.enter_context(MooncakeMaster())}
+            master = pools[row]["master"].address
             segment = shape.pool.replace("iB", "B")  # Mooncake reads "1GB"
             env.update(mooncake_store_connector_env(work / f"{row}.json", master, segment))
             transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
@@ -617,13 +638,7 @@ def main() -> int:
             f"unknown rows {unknown}; known: {', '.join(ROWS + ON_REQUEST)}, and kvflow_chunkN "
             f"for N a multiple of the block size {shape.block}"
         )
-    from kvflow.testing.models import build
-
-    name = f"kvflow-serve-llama-{shape.layers}x{shape.hidden}"
-    model = str(
-        build(f"{tempfile.gettempdir()}/{name}", layers=shape.layers, hidden=shape.hidden,
-              heads=shape.heads, kv_heads=shape.kv_heads)
-    )  # fmt: skip
+    model = build_model(shape)
     work = Path(tempfile.mkdtemp(prefix="kvserve-", dir="/tmp"))
     started = time.monotonic()
     load_before = os.getloadavg()
