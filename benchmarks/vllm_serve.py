@@ -20,7 +20,10 @@ prefix cache alone
 with device KV for the whole working set and every running request beside it (what any
 connector could at best give: every prefix a device hit); ``kvflow_floor`` and
 ``mooncake_store_connector_floor``, those connectors on the floor's device KV (the pool adds
-nothing there: what its lookups and saves cost a prefix cache that hits on its own).
+nothing there: what its lookups and saves cost a prefix cache that hits on its own); and, to
+take that cost apart, ``kvflow_idle_floor`` (the connector and its pool, with ``load`` and
+``save`` off), ``kvflow_lookups_floor`` (``save`` off) and ``kvflow_saves_floor`` (``load``
+off).
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -91,7 +94,14 @@ ON_REQUEST = (
     "kvflow_small_pool_disk",
     "kvflow_floor",
     "mooncake_store_connector_floor",
+    *(f"kvflow_{part}_floor" for part in ("idle", "lookups", "saves")),
 )  # and kvflow_chunkN
+# the ``kvflow_*_floor`` rows that do part of the connector's work: what the rest leaves out
+PARTS: dict[str, dict[str, bool]] = {
+    "idle": {"load": False, "save": False},
+    "lookups": {"save": False},
+    "saves": {"load": False},
+}
 CHUNK_ROW = re.compile(r"kvflow_chunk([1-9][0-9]*)")  # kvflow with chunks of that many tokens
 WORKLOADS = ("bench", "chat")
 VOCAB = 1024  # the random model's
@@ -192,7 +202,13 @@ def start_rows(
         transfer: dict[str, Any] | None = None
         count = 2 if row == "kvflow_two_servers" else 1
         chunk = CHUNK_ROW.fullmatch(row)
-        if connector in ("kvflow", "kvflow_two_servers") or chunk or row.startswith("kvflow_small"):
+        part = PARTS.get(connector.removeprefix("kvflow_"), {}) if floor else {}
+        if (
+            connector in ("kvflow", "kvflow_two_servers")
+            or chunk
+            or part
+            or row.startswith("kvflow_small")
+        ):
             directory = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
             socket = f"{directory}/pool.sock"
             env["KVFLOW_POOL_SOCKET"] = socket
@@ -200,6 +216,7 @@ def start_rows(
             stack.callback(shutil.rmtree, directory, ignore_errors=True)
             stack.callback(stop_pool, socket)  # first: callbacks run last to first
             extra: dict[str, Any] = {"chunk_blocks": int(chunk[1]) // shape.block} if chunk else {}
+            extra.update(part)
             if row.startswith("kvflow_small_pool"):  # the pool starts itself, so small
                 most = shape.kv_bytes(
                     max(shape.working_set()["bench"], shape.working_set()["chat"])

@@ -8,7 +8,8 @@ copies per layer, what is visible when, thread safety) is in ``kvflow.stores.bas
 and each method's. ``open_write`` hands out a ``WriteSession`` (per-key ``WriteStatus`` and base
 addresses), ``open_read`` a ``ReadSession``; ``batch_copy`` moves bytes in a ``Direction``.
 Optional abilities are ``Store`` methods with defaults: the ``*_with_context`` calls (eviction
-ordered by prefix; by default the plain calls) and ``usage()`` (occupancy and counters; by
+ordered by prefix; by default the plain calls), ``usage()`` (occupancy and counters; by
+default None) and ``contents_epoch()`` (changes when a restarted pool lost what it held; by
 default None). A store that forwards to another (to count, to inject faults, to share it)
 subclasses ``StoreWrapper``, which forwards every call, abilities included, and overrides only
 what it changes. ``SupportsUsage`` and ``SupportsPrefixContext``, the protocols of earlier

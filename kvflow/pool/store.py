@@ -258,6 +258,11 @@ class SharedStore(Store):
         stats = self.server_stats()
         return StoreUsage(**{f.name: stats[f.name] for f in fields(StoreUsage)})
 
+    def contents_epoch(self) -> object:
+        """The instance of the server last connected to (a restarted one has another)."""
+        conn = self._link.conn
+        return None if conn is None else conn.hello.instance
+
     def server_stats(self) -> dict[str, int]:
         """Every counter the server keeps (``kvflow.pool.protocol.STATS_FIELDS``). After
         ``close()`` this asks over a connection of its own."""

@@ -30,6 +30,8 @@ that forwards to another (``StoreWrapper``), answers them:
   that also name the chunks before their keys (the *prefix context*, below). By default each is
   its plain call; a store that orders eviction by prefix overrides them.
 * ``usage()``: occupancy and counters, or None (the default) for a store that keeps none.
+* ``contents_epoch()``: a value that changes when the pool may have lost everything at once (a
+  restarted server), or None (the default): not known.
 
 (They were once protocols checked with ``isinstance``; a forwarding store cannot know statically
 what the store it wraps can do, and a check on the wrapper silently dropped the context.)
@@ -212,6 +214,13 @@ class Store(ABC):
         """The pool's occupancy and counters, or None (this default) for a store that keeps
         none. May be a round trip (SharedStore asks its server) and then raises
         StoreUnavailableError when the pool cannot be reached."""
+        return None
+
+    def contents_epoch(self) -> object:
+        """A value that changes when the pool may have lost everything it held at once (its
+        server restarted), as far as this client has seen; None (this default): not known.
+        Never a round trip. Callers that remember which keys the pool holds forget them when
+        it changes."""
         return None
 
 

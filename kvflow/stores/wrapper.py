@@ -76,6 +76,9 @@ class StoreWrapper(Store):
     def usage(self) -> StoreUsage | None:
         return self.inner.usage()
 
+    def contents_epoch(self) -> object:
+        return self.inner.contents_epoch()
+
     def close(self) -> None:
         self.inner.close()
 

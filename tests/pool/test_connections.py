@@ -111,11 +111,13 @@ def test_an_idle_closed_store_reconnects_without_failing(
         write_objects(store, {"k": content("k")})
         assert store._conn is not None
         base = store._conn.base
+        epoch = store.contents_epoch()
         wait_until(lambda: idle_server.stats()["idle_closed"] == 1, 60, "the idle close")
         with caplog.at_level(logging.INFO, logger="kvflow"):
             assert store.lookup(["k"]).tolist() == [True]
         assert store.reconnects == 2
         assert store._conn.base == base  # the same arena: its mapping was kept, not remade
+        assert store.contents_epoch() == epoch  # the same server: nothing was lost
         np.testing.assert_array_equal(read_objects(store, ["k"], OBJ_BYTES)["k"], content("k"))
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     finally:

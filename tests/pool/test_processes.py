@@ -185,6 +185,8 @@ async def test_server_killed_and_restarted(sock_dir: str, serve: Serve) -> None:
         src = np.arange(0, 8)
         assert (await asyncio.wait_for(engine.save(tokens, src), 60)).ok
         assert await engine.lookup(tokens) == len(tokens)
+        epoch = store.contents_epoch()
+        assert epoch is not None
 
         # a load in flight when the server dies: its chunks fail, and no timeout had to end it
         dst = np.arange(8, 16)
@@ -223,6 +225,7 @@ async def test_server_killed_and_restarted(sock_dir: str, serve: Serve) -> None:
 
         wait_until(answers, 60, "the store to reconnect")
         assert store.reconnects == reconnects + 1
+        assert store.contents_epoch() not in (None, epoch)  # what it held may be lost
         assert await engine.lookup(tokens) == 0  # a new pool: empty
         assert (await asyncio.wait_for(engine.save(tokens, src), 60)).ok
         assert await engine.lookup(tokens) == len(tokens)

@@ -88,6 +88,9 @@ class Recorder(Store):
     def usage(self) -> Any:
         return self._record("usage")
 
+    def contents_epoch(self) -> Any:
+        return self._record("contents_epoch")
+
     def close(self) -> None:
         self._record("close")
 
@@ -111,6 +114,7 @@ def _arguments(name: str) -> tuple[Any, ...]:
         "close_read": (read,),
         "batch_copy": (sizes, sizes, sizes, Direction.TO_POOL),
         "usage": (),
+        "contents_epoch": (),
         "close": (),
     }
     return table[name]
@@ -125,6 +129,7 @@ ANSWERED = {
     "open_read_with_context",
     "batch_copy",
     "usage",
+    "contents_epoch",
 }
 
 
@@ -221,3 +226,4 @@ def test_usage_of_a_store_that_keeps_none_is_none() -> None:
 
     assert StoreWrapper(Plain()).usage() is None
     assert isinstance(StoreWrapper(kvflow.LocalStore("1MiB")).usage(), StoreUsage)
+    assert StoreWrapper(kvflow.LocalStore("1MiB")).contents_epoch() is None  # not known

@@ -107,6 +107,10 @@ class GroupPlanner:
         for p in self.planners:
             p.finished(req_id)
 
+    def forget_pool(self) -> None:
+        for p in self.planners:
+            p.forget_pool()
+
     @property
     def tracked(self) -> int:
         return self.planners[0].tracked

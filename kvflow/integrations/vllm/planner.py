@@ -21,7 +21,8 @@ this instance computed or loaded them, so the pool normally has them and a save 
 nothing, yet cost the step a write session. Chunks it did not see (a conversation's earlier
 answer, which vLLM cached and no prompt saved) are saved, up to where the request's load
 starts. A chunk the pool dropped since, or whose planned save failed, is saved again at the
-first such hit after ``RECENT_S``, or sooner if a lookup finds it missing.
+first such hit after ``RECENT_S``, or sooner if a lookup finds it missing, or once the pool
+may have lost everything (``forget_pool``: it restarted, or could not be reached).
 
 A request waiting for device blocks is asked about again at every scheduler step: its lookup's
 answer is reused for ``REUSE_S`` (the pool is asked again after that, or once vLLM's own hit
@@ -286,6 +287,14 @@ class ChunkPlanner:
         ):
             first += 1
         return first
+
+    def forget_pool(self) -> None:
+        """The pool may have lost what it held (it restarted, or could not be reached): forget
+        the chunks seen in it, so that those vLLM's cache holds are saved again at their next
+        hit, and ask the pool afresh for every waiting request."""
+        self._seen.clear()
+        for t in self._tracked.values():
+            t.answer = None
 
     @property
     def seen(self) -> SeenChunks:

@@ -7,7 +7,10 @@ batched pool lookup of the request's own block hashes, for every tensor-parallel
 cache groups (vLLM's hybrid KV cache manager), one planner per group (``groups.GroupPlanner``).
 With a sliding window or several groups the loads are asynchronous for vLLM: planned when it
 allocates the blocks (``update_state_after_alloc``), and a request whose load a worker reports
-failed (``update_connector_output``) is computed whole, with no hit again.
+failed (``update_connector_output``) is computed whole, with no hit again. A pool that could
+not be reached, or that restarted since the last lookup (its ``contents_epoch`` changed), may
+have lost what it held: the planner forgets what it saw in it (``forget_pool``), so that the
+chunks vLLM's own cache serves are saved again instead of recomputed once vLLM evicts them.
 
 Concurrency: vLLM calls it from its scheduler loop, one thread. A lookup runs on a helper
 thread and is waited for at most ``lookup_timeout_s``: a lookup that fails or times out is a
@@ -25,6 +28,7 @@ import numpy as np
 
 from kvflow import trace
 from kvflow.bounded import BoundedCaller
+from kvflow.errors import StoreUnavailableError
 from kvflow.integrations.vllm.groups import GroupPlanner
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.integrations.vllm.metrics import KVFlowConnectorStats, StatsInterval
@@ -86,6 +90,7 @@ class KVFlowConnectorScheduler:
             ]
         )
         self._asked = 0  # chunks looked up, so far
+        self._epoch: object = None  # the pool's contents_epoch at the last lookup
         # one helper thread; while a lookup that timed out still runs, the next ones miss at once
         self._lookups = BoundedCaller("pool lookup", config.lookup_timeout_s, refuse_late=True)
         self._stats = StatsInterval()
@@ -111,10 +116,18 @@ class KVFlowConnectorScheduler:
             with self._stats.update() as stats:
                 stats.data["lookup_errors"] += 1
             log.warning("kvflow: pool lookup failed, counted as a miss: %r", exc)
+            if isinstance(exc, StoreUnavailableError):  # it may come back empty
+                self._planner.forget_pool()
             return np.zeros(len(hashes), dtype=bool)
         finally:
             if begun:
                 trace.complete("lookup", begun, "scheduler", chunks=len(hashes))
+        epoch = self._store.contents_epoch()
+        if epoch is not None and epoch != self._epoch:
+            if self._epoch is not None:
+                log.info("kvflow: the pool restarted; chunks vLLM holds are saved again")
+                self._planner.forget_pool()
+            self._epoch = epoch
         found = np.asarray(found, dtype=bool).reshape(len(spaces), len(hashes))
         return np.asarray(found.all(axis=0), dtype=bool)
 

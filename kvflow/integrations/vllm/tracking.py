@@ -62,6 +62,9 @@ class SeenChunks:
         while len(self._when) > self._limit:
             self._when.popitem(last=False)
 
+    def clear(self) -> None:
+        self._when.clear()
+
     def discard(self, hashes: Iterable[bytes]) -> None:
         for h in hashes:
             self._when.pop(h, None)

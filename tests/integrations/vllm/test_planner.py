@@ -18,6 +18,9 @@ prompts that share a prefix share its block hashes.
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 
 from kvflow import SKIP_BLOCK
@@ -27,6 +30,7 @@ from kvflow.integrations.vllm.planner import (
     ChunkPlanner,
     Transfer,
 )
+from tests.support.processes import REPO
 from tests.support.vllm_planning import (
     BS,
     CB,
@@ -706,6 +710,37 @@ def test_a_lookup_that_misses_a_seen_chunk_forgets_it() -> None:
     assert per_chunk(saves) == expected(b, range(3, 5), list(range(50, 61)))
 
 
+def test_after_forget_pool_the_chunks_vllm_holds_are_saved_again() -> None:
+    """A pool that restarted (or could not be reached) may have lost what the planner saw in
+    it: the chunks vLLM's cache serves are saved at their next hit, not left to be recomputed
+    once vLLM evicts them."""
+    pool = FakePool()
+    p = planner(pool)
+    _, b = computed_then_cached(p, pool, 5 * CT + 1)
+    pool.stored.clear()  # the pool came back empty
+
+    p.forget_pool()
+    _, saves = p.step([new(b, range(50, 61), 5 * CT, 1)])
+
+    assert per_chunk(saves) == expected(b, range(5), list(range(50, 61)))
+
+
+def test_after_forget_pool_a_waiting_requests_lookup_asks_the_pool_again() -> None:
+    pool = FakePool()
+    other = request("other", 4 * CT + 1, prefix="p")
+    pool.store(other, range(4))
+    p = planner(pool)
+    a = request("a", 4 * CT + 1, prefix="p")
+    assert match(p, a) == 4 * CT
+    pool.stored.clear()
+    assert match(p, a) == 4 * CT  # still waiting: the last answer holds for REUSE_S
+
+    p.forget_pool()
+
+    assert match(p, a) == 0
+    assert len(pool.calls) == 2
+
+
 def test_chunks_found_by_a_lookup_count_as_seen() -> None:
     pool = FakePool()
     other = request("other", 4 * CT + 1, prefix="p")
@@ -883,3 +918,21 @@ def test_full_attention_loads_are_synchronous() -> None:
     assert p.take_async_loads() == []
     loads, _ = p.step([new(req, range(7), 3 * CT, 1)])
     assert len(loads) == 1
+
+
+@pytest.mark.parametrize("outage", ["restarted", "unreachable"])
+def test_the_scheduler_forgets_what_it_saw_in_a_pool_that_restarted_or_was_unreachable(
+    vllm_python: str, pool_dir: str, outage: str
+) -> None:
+    """KVFlowConnectorScheduler on a real pool server (``tests.support.scheduler_outage``, in
+    vLLM's interpreter): a prompt vLLM's cache holds is saved once while the pool stays up, and
+    once more after a lookup met a restarted server (its ``contents_epoch`` changed) or none."""
+    proc = subprocess.run(
+        [vllm_python, "-m", "tests.support.scheduler_outage", f"{pool_dir}/pool.sock", outage],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    # A computed, A held, B computed, A held | outage | B computed, A held, A held
+    assert steps == [4, 0, 4, 0, 4, 4, 0]
