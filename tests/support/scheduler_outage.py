@@ -10,7 +10,8 @@ the same prompt with every chunk in vLLM's own cache, so a step saves only the c
 planner thinks the pool lacks. The steps: ``A`` computed, ``A`` held, ``B`` computed (a lookup
 on the same pool), ``A`` held; then the server stops, and either a new one starts on the same
 socket (``restarted``) or none does (``unreachable``); then ``B`` computed (its lookup meets
-the outage), ``A`` held, ``A`` held.
+the outage), ``A`` held, ``A`` held, ``B`` computed (a second lookup in the same outage: the
+planner forgets once), ``A`` held.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def run(socket: str, outage: str) -> list[int]:
         if outage == "restarted":
             servers.append(PoolServer(PoolConfig(socket=socket, capacity="8MiB")))
             servers[-1].start()
-        return [*steps, _saved(sched, "B", 0), _saved(sched, "A", held), _saved(sched, "A", held)]
+        steps += [_saved(sched, "B", 0), _saved(sched, "A", held), _saved(sched, "A", held)]
+        return [*steps, _saved(sched, "B", 0), _saved(sched, "A", held)]
     finally:
         sched.shutdown()
         for server in servers:

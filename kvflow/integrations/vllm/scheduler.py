@@ -9,8 +9,10 @@ With a sliding window or several groups the loads are asynchronous for vLLM: pla
 allocates the blocks (``update_state_after_alloc``), and a request whose load a worker reports
 failed (``update_connector_output``) is computed whole, with no hit again. A pool that could
 not be reached, or that restarted since the last lookup (its ``contents_epoch`` changed), may
-have lost what it held: the planner forgets what it saw in it (``forget_pool``), so that the
-chunks vLLM's own cache serves are saved again instead of recomputed once vLLM evicts them.
+have lost what it held: the planner forgets what it saw in it (``forget_pool``, once an
+outage: the lookups that fail after the first leave the answers they gave to be reused), so
+that the chunks vLLM's own cache serves are saved again instead of recomputed once vLLM evicts
+them.
 
 Concurrency: vLLM calls it from its scheduler loop, one thread. A lookup runs on a helper
 thread and is waited for at most ``lookup_timeout_s``: a lookup that fails or times out is a
@@ -91,6 +93,7 @@ class KVFlowConnectorScheduler:
         )
         self._asked = 0  # chunks looked up, so far
         self._epoch: object = None  # the pool's contents_epoch at the last lookup
+        self._unreachable = False  # the last lookup found the pool unreachable
         # one helper thread; while a lookup that timed out still runs, the next ones miss at once
         self._lookups = BoundedCaller("pool lookup", config.lookup_timeout_s, refuse_late=True)
         self._stats = StatsInterval()
@@ -116,12 +119,14 @@ class KVFlowConnectorScheduler:
             with self._stats.update() as stats:
                 stats.data["lookup_errors"] += 1
             log.warning("kvflow: pool lookup failed, counted as a miss: %r", exc)
-            if isinstance(exc, StoreUnavailableError):  # it may come back empty
+            if isinstance(exc, StoreUnavailableError) and not self._unreachable:
+                self._unreachable = True  # it may come back empty: forgotten once an outage
                 self._planner.forget_pool()
             return np.zeros(len(hashes), dtype=bool)
         finally:
             if begun:
                 trace.complete("lookup", begun, "scheduler", chunks=len(hashes))
+        self._unreachable = False
         epoch = self._store.contents_epoch()
         if epoch is not None and epoch != self._epoch:
             if self._epoch is not None:
