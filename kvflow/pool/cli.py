@@ -11,6 +11,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -249,6 +250,7 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
     trace.set_role("pool")
     server = PoolServer(config)
+    wake, stopping = _wake_on_signals()  # before it serves: a client may stop it at once
     metrics = None
     if args.metrics_port is not None:
         metrics = MetricsEndpoint(server.stats, args.metrics_port, args.metrics_host)
@@ -264,36 +266,38 @@ def _serve(args: argparse.Namespace) -> int:
             option = "--" + exc.argument.replace("_", "-")
             print(f"kvflow serve: {option} {exc.value}: {exc.reason}", file=sys.stderr)
             return 2
-        wake = _wake_on_signals(server)
         print(f"kvflow pool: serving {config.size} bytes on {config.socket} (pid {os.getpid()})")
         print(f"  clients: kvflow.SharedStore(socket={config.socket!r})")
         if metrics is not None:
             print(f"  metrics: {metrics.url}")
         sys.stdout.flush()
-        while not server.wait(0):
+        while not (stopping.is_set() or server.wait(0)):
             select.select([wake], [], [], 1.0)  # a signal wakes this at once, then stops
             with contextlib.suppress(BlockingIOError):
                 os.read(wake, 64)
+        server.stop()
     finally:
         if metrics is not None:
             metrics.stop()
     return 0
 
 
-def _wake_on_signals(server: PoolServer) -> int:
-    """SIGTERM and SIGINT stop ``server``; returns a descriptor that becomes readable when one
-    comes. Python runs a signal's handler on the main thread, but the kernel may hand the
-    signal to any thread, and then a main thread asleep in a timed wait would notice it only
-    when the wait ends: ``stop`` would take up to that long, and a client restarting the pool
-    would find the old one still there. The wakeup descriptor is written whichever thread
-    got it."""
+def _wake_on_signals() -> tuple[int, threading.Event]:
+    """SIGTERM and SIGINT set the returned event (the main loop then stops the server), and
+    make the returned descriptor readable. Python runs a signal's handler on the main thread,
+    but the kernel may hand the signal to any thread, and then a main thread asleep in a timed
+    wait would notice it only when the wait ends: ``stop`` would take up to that long, and a
+    client restarting the pool would find the old one still there. The wakeup descriptor is
+    written whichever thread got it. The handler only sets the event: it may run in the
+    middle of ``PoolServer.start``."""
     read, write = os.pipe()
     os.set_blocking(read, False)
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server.stop())
-    return read
+        signal.signal(sig, lambda *_: stopping.set())
+    return read, stopping
 
 
 def _already_running(config: PoolConfig, asked: set[str], detach: bool) -> int:

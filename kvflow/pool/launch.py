@@ -2,13 +2,17 @@
 
 Many processes may race to start the server for one socket path; the server's lock file lets
 exactly one win (the others exit with EXIT_RUNNING), and every starter then waits until the
-socket accepts connections. A server found running is described (``running_pool``) and
-compared with what was asked (``differences``), never passed off as one just started.
+socket accepts connections. Clients (``start_in_background``) also take turns, on the
+``.start`` lock beside the socket, so a pool that went away under several clients costs one
+server's start-up, not one per client, on a machine whose cores the model keeps busy. A
+server found running is described (``running_pool``) and compared with what was asked
+(``differences``), never passed off as one just started.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import stat
@@ -73,19 +77,31 @@ def serve_command(config: PoolConfig, *extra: str) -> list[str]:
     ]
 
 
+# OpenMP's thread placement. vLLM's CPU worker sets GOMP_CPU_AFFINITY to its compute cores and
+# preloads libgomp, whose start-up pins the main thread of every process that inherits them: a
+# pool server started from the worker would import on a compute core the model keeps busy (16
+# s under a `vllm serve` load, against 0.3 s beside it).
+_PLACEMENT = ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY")
+
+
+def _server_env() -> dict[str, str]:
+    """The environment a server starts with: this process's, less OpenMP's thread placement."""
+    return {k: v for k, v in os.environ.items() if k not in _PLACEMENT}
+
+
 def spawn_server(config: PoolConfig, *extra: str) -> subprocess.Popen[bytes]:
     """Start ``kvflow serve`` for ``config`` (and ``extra`` options) in a new session, logging
     beside the socket."""
     ensure_private_directory(os.path.dirname(config.socket))
     cmd = serve_command(config, *extra)
-    log_path = sibling(config.socket, ".log")
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    fd = _open_log(config.socket)
     try:
         return subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=fd,
             stderr=subprocess.STDOUT,
+            env=_server_env(),
             start_new_session=True,
             close_fds=True,
         )
@@ -93,26 +109,37 @@ def spawn_server(config: PoolConfig, *extra: str) -> subprocess.Popen[bytes]:
         os.close(fd)
 
 
+def _open_log(path: str) -> int:
+    """The log beside socket ``path`` (mode 0600), opened for appending."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+    return os.open(sibling(path, ".log"), flags, 0o600)
+
+
 def wait_until_serving(
-    path: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None
+    path: str, timeout_s: float, starter: subprocess.Popen[bytes] | int | None = None
 ) -> None:
-    """Return once ``path`` accepts connections; StoreUnavailableError after ``timeout_s`` or if
-    ``proc`` (our starter) failed for a reason other than losing the race."""
+    """Return once ``path`` accepts connections; StoreUnavailableError after ``timeout_s``, or
+    as soon as ``starter`` (our child, or the pid of a server we started) has failed while
+    nothing serves: exited, other than by losing the race (a child's exit 0 or EXIT_RUNNING)."""
     deadline = time.monotonic() + timeout_s
     delay = 0.005
-    while True:
-        if is_serving(path):
-            return
-        code = proc.poll() if proc is not None else None
-        if code not in (None, 0, EXIT_RUNNING):
+    while not is_serving(path):
+        if _failed(starter) and not is_serving(path):
+            log_path = sibling(path, ".log")
             raise StoreUnavailableError(
-                f"the pool server for {path} failed to start (exit {code}); "
-                f"see {sibling(path, '.log')}: {_tail(sibling(path, '.log'))}"
+                f"the pool server for {path} exited before serving; see {log_path}: "
+                f"{_tail(log_path)}"
             )
         if time.monotonic() > deadline:
             raise StoreUnavailableError(f"no pool server on {path} after {timeout_s:g} s")
         time.sleep(delay)
-        delay = min(delay * 2, 0.1)
+        delay = min(delay * 2, 0.05)
+
+
+def _failed(starter: subprocess.Popen[bytes] | int | None) -> bool:
+    if isinstance(starter, int):
+        return not alive(starter)
+    return starter is not None and starter.poll() not in (None, 0, EXIT_RUNNING)
 
 
 def start_detached(config: PoolConfig, timeout_s: float, *extra: str) -> int:
@@ -211,20 +238,71 @@ def differences(config: PoolConfig, running: RunningPool, asked: Collection[str]
 
 
 def start_in_background(config: PoolConfig, timeout_s: float) -> None:
-    """From a client: run ``kvflow serve --detach`` and wait for it. The server is its child,
-    not ours, so this process holds no handle on it and it outlives us. It runs on
+    """From a client: start a server and return once one serves ``config.socket`` (ours, or
+    one another process started); StoreUnavailableError if none does within ``timeout_s``.
+
+    One client at a time starts one (the ``.start`` lock beside the socket): the others wait
+    for it to serve, and take over if it fails. The server is not this process's child (it is
+    started through ``sh``, which exits at once), so it outlives this process, and this
+    process neither reaps it nor stops it with its own process group. It runs on
     ``server_cpus()``, not on the calling thread's CPUs (a compute core, in vLLM's worker)."""
-    cpus = ("--cpus", ",".join(map(str, c))) if (c := server_cpus()) else ()
-    cmd = serve_command(config, "--detach", "--start-timeout", repr(float(timeout_s)), *cpus)
+    ensure_private_directory(os.path.dirname(config.socket))
+    deadline = time.monotonic() + timeout_s
+    fd = os.open(sibling(config.socket, ".start"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        done = subprocess.run(cmd, capture_output=True, timeout=timeout_s + 10, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise StoreUnavailableError(
-            f"no pool server on {config.socket} after {timeout_s:g} s"
-        ) from exc
-    if done.returncode not in (0, EXIT_RUNNING):  # a server serves, if not quite ours: use it
-        reason = done.stderr.decode("utf-8", "replace").strip()[-400:]
-        raise StoreUnavailableError(f"could not start a pool server on {config.socket}: {reason}")
+        delay = 0.005
+        while not is_serving(config.socket):
+            if _try_lock(fd):
+                try:
+                    if not is_serving(config.socket):
+                        _start_and_wait(config, deadline)
+                    return
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            if time.monotonic() > deadline:  # another client is starting one: wait for it
+                raise StoreUnavailableError(
+                    f"no pool server on {config.socket} after {timeout_s:g} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    finally:
+        os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _start_and_wait(config: PoolConfig, deadline: float) -> None:
+    """Start a detached server; return once one serves. A server that exits first (another
+    took the socket's lock, or it failed) is fine if another serves by then."""
+    cpus = server_cpus()
+    cmd = serve_command(config, *(("--cpus", ",".join(map(str, cpus))) if cpus else ()))
+    log = _open_log(config.socket)  # the shell's stderr; the server's stdout and stderr
+    try:
+        done = subprocess.run(
+            ["/bin/sh", "-c", '"$@" >&2 </dev/null & echo $!', "kvflow-start", *cmd],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=_server_env(),
+            timeout=max(deadline - time.monotonic(), 1.0),
+            start_new_session=True,
+            check=True,
+        )
+        pid = int(done.stdout)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        reason = f"could not start a pool server on {config.socket}: {exc}"
+        raise StoreUnavailableError(reason) from exc
+    finally:
+        os.close(log)
+    if cpus:  # its interpreter starts up on them too, not on the caller's CPUs
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, cpus)
+    wait_until_serving(config.socket, max(deadline - time.monotonic(), 0.0), pid)
 
 
 def alive(pid: int) -> bool:

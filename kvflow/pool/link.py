@@ -132,6 +132,8 @@ class PoolLink:
                 start_in_background(cfg.server_config(), cfg.start_timeout_s)
             except KVFlowError as exc:  # the next connect fails and tries again
                 log.warning("kvflow: starting a pool server on %s failed: %s", cfg.socket, exc)
+                return
+            self._retry_at = 0.0  # it serves: the next call connects, not one retry later
 
         log.info("kvflow: the pool on %s is gone; starting one beside the calls", cfg.socket)
         self._starter = threading.Thread(target=start, name="kvflow-pool-start", daemon=True)

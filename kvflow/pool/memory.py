@@ -1,5 +1,6 @@
-"""The pool's arena in memory: a sealed memfd the server makes once (``make_arena``), mapped
-by every client (``map_shared``); a dropped mapping's range kept reserved (``reserve``).
+"""The pool's arena in memory: a sealed memfd the server makes once (``make_arena``) and
+clears while it serves (``clear_pages``), mapped by every client (``map_shared``); a dropped
+mapping's range kept reserved (``reserve``).
 
 Plain calls into the C library (``mmap``, ``munmap``, ``madvise``), each blocking only for the
 kernel's work; no state is shared between calls, so any thread may make them.
@@ -11,10 +12,11 @@ import ctypes
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
 
 from kvflow.errors import ConfigError, StoreError
 
-__all__ = ["SEALS", "make_arena", "map_shared", "reserve", "unmap"]
+__all__ = ["SEALS", "clear_pages", "make_arena", "map_shared", "reserve", "unmap"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -38,11 +40,11 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # the arena
 
 
 def make_arena(size: int) -> int:
-    """A memfd of ``size`` bytes, mode 0600, its memory allocated and cleared now.
+    """A memfd of ``size`` bytes, mode 0600, its memory allocated now.
 
     ``posix_fallocate`` reserves the pages (a client's copy can never fault on a full tmpfs)
-    but leaves them to be cleared on their first fault; writing-faulting them here once pays
-    that now, so a client's first touch of a page is a minor fault, not a page clear.
+    but leaves them to be cleared on their first fault: ``clear_pages`` pays that once, so a
+    client's first touch of a page is a minor fault, not a page clear.
     """
     fd = os.memfd_create("kvflow-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -51,11 +53,20 @@ def make_arena(size: int) -> int:
         os.posix_fallocate(fd, 0, size)
         # no client may resize it: a shrink would fault every process that maps it
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        unmap(map_shared(fd, size, populate=True), size)
-    except (OSError, StoreError) as exc:
+    except OSError as exc:
         os.close(fd)
         raise ConfigError("capacity", size, f"cannot allocate the arena: {exc}") from exc
     return fd
+
+
+def clear_pages(addr: int, size: int, stop: Callable[[], bool], piece: int = 64 << 20) -> None:
+    """Fault in every page of the mapping at ``addr`` once (the kernel clears each at its
+    first fault), ``piece`` bytes at a time, until done or ``stop()``. Nothing in the memory
+    changes: a client that touched a page first has it cleared already. Kernels without
+    ``MADV_POPULATE_WRITE`` (before 5.14) leave the pages to the clients' first faults."""
+    for start in range(0, size, piece):
+        if stop() or _libc.madvise(addr + start, min(piece, size - start), _MADV_POPULATE_WRITE):
+            return
 
 
 def map_shared(fd: int, size: int, populate: bool) -> int:

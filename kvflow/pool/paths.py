@@ -4,7 +4,7 @@ By default the socket is ``/dev/shm/kvflow-<uid>/pool.sock`` (``$KVFLOW_POOL_SOC
 it). The directory is created with mode 0700 and refused if another user owns it or others may
 write to it, so no other user can plant a socket or read the pool's files. Beside the socket:
 ``.lock`` (held by the running server: one server per path), ``.pid`` and ``.log`` (detached
-servers).
+servers), ``.start`` (held by the client that is starting one).
 """
 
 from __future__ import annotations

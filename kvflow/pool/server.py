@@ -1,8 +1,9 @@
 """PoolServer: the node-local pool's sockets. It owns the arena; clients copy the bytes.
 
 The arena is a memfd (mode 0600, never a named file) sealed against resizing, whose memory is
-allocated and cleared at start, so a client's copy can never fault on a full tmpfs and no
-client can shrink it under the others. Clients receive
+allocated at start, so a client's copy can never fault on a full tmpfs and no client can
+shrink it under the others; its pages are cleared on a thread while the server already
+serves. Clients receive
 its file descriptor once, in the HELLO reply (SCM_RIGHTS), map it, and from then on send only
 metadata: lookup, open for write or read, commit or abort, release. What a request does, the
 sessions each connection owns and the leases' expiry are the ``PoolService``'s
@@ -45,7 +46,7 @@ from kvflow.pool.config import (
     PoolConfig,
 )
 from kvflow.pool.disk import DiskObjects, check_folder
-from kvflow.pool.memory import make_arena, map_shared, unmap
+from kvflow.pool.memory import clear_pages, make_arena, map_shared, unmap
 from kvflow.pool.paths import ensure_private_directory, sibling
 from kvflow.pool.service import Connection, PoolService, reason
 from kvflow.stores.hostmem import check_capacity
@@ -114,10 +115,12 @@ class PoolServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         bound = False
         disk = None
+        clearing = 0  # the mapping the arena is cleared through
         try:
             if self.config.disk_dir:  # after the lock: a running server's files are its own
                 disk = DiskObjects(self.config.disk_dir, self.config.disk_capacity)
             self._arena_fd = make_arena(self.config.size)
+            clearing = map_shared(self._arena_fd, self.config.size, populate=False)
             if disk is not None:
                 self._arena_addr = map_shared(self._arena_fd, self.config.size, populate=False)
                 self.service = PoolService(
@@ -135,6 +138,8 @@ class PoolServer:
             listener.listen(128)
             _write_private(sibling(path, ".pid"), f"{os.getpid()}\n")
         except BaseException:
+            if clearing:
+                unmap(clearing, self.config.size)
             listener.close()
             self.service.close()
             if disk is not None:
@@ -147,6 +152,7 @@ class PoolServer:
         self._listener = listener
         self._spawn(self._accept_loop, "kvflow-pool-accept")
         self._spawn(self._reap_loop, "kvflow-pool-leases")
+        self._spawn(self._clear_arena, "kvflow-pool-clear", clearing)
         log.info(
             "kvflow pool: serving %d bytes on %s (lease limit %g s, %d clients at most, "
             "idle connections closed after %g s)",
@@ -202,6 +208,15 @@ class PoolServer:
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
         thread.start()
+
+    def _clear_arena(self, addr: int) -> None:
+        """Clear the arena's pages while serving (a start that waited for it would keep the
+        clients' calls failing as misses for longer: a second or more per GiB on a loaded
+        machine); then drop this mapping of it."""
+        try:
+            clear_pages(addr, self.config.size, self._stopped.is_set)
+        finally:
+            unmap(addr, self.config.size)
 
     def _accept_loop(self) -> None:
         assert self._listener is not None

@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -290,3 +291,21 @@ def test_a_zombie_is_not_a_running_server() -> None:
     finally:
         child.wait()
     assert not alive(child.pid)
+
+
+def test_a_sigterm_the_moment_the_pool_serves_stops_it_cleanly(sock_dir: str) -> None:
+    """The signal handlers are in place before the socket serves: a client that stops a server
+    the moment it answers (a restart) gets a clean exit, status 0 and the socket removed, never
+    a process killed with its files left behind."""
+    path = f"{sock_dir}/pool.sock"
+    for _ in range(3):
+        server = ServeProcess(path, "8MiB")
+        try:
+            deadline = time.monotonic() + 60
+            while not is_serving(path):  # no sleep: signal it as soon as it serves
+                assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            os.kill(server.pid, signal.SIGTERM)
+            assert server.proc.wait(60) == 0, server.log()
+            assert not os.path.exists(path)
+        finally:
+            server.stop()

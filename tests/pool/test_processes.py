@@ -21,6 +21,8 @@ import pytest
 import kvflow
 from kvflow import ChunkStatus
 from kvflow.abc import WriteStatus
+from kvflow.pool import PoolConfig
+from kvflow.pool.launch import start_in_background
 from tests.support.caches import make_caches
 from tests.support.objects import read_objects, write_objects
 from tests.support.pool_workers import NUM_PROMPTS, key_bytes
@@ -282,6 +284,11 @@ def test_auto_start_race(sock_dir: str, workers: Workers) -> None:
             "the servers that lost the race to exit",
         )
         assert live == [pid]
+        # and only one was started: the clients took turns, the others found it serving
+        with open(f"{path}.log") as f:
+            log = f.read()
+        started = [line for line in log.splitlines() if line.startswith("kvflow pool: serving")]
+        assert len(started) == 1 and "already runs" not in log, log
         # the four workers and this stats connection (the losers' probes end on their own)
         stats = wait_until(
             lambda: s if (s := stats_of(path))["clients"] == 5 else None, 60, "five clients"
@@ -299,6 +306,19 @@ def test_auto_start_race(sock_dir: str, workers: Workers) -> None:
         touch(release)
         for pid in live_server_pids(path):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_an_auto_start_whose_server_fails_says_why_at_once(sock_dir: str) -> None:
+    """A server that exits before serving (here its disk folder is a file) fails the start as
+    soon as it exits, with the server's own words, not at the end of the start's timeout."""
+    path = f"{sock_dir}/pool.sock"
+    touch(f"{sock_dir}/a-file")
+    config = PoolConfig(
+        socket=path, capacity="8MiB", disk_dir=f"{sock_dir}/a-file", disk_capacity="16MiB"
+    )
+    with pytest.raises(kvflow.StoreUnavailableError, match=r"exited before serving.*not a dir"):
+        start_in_background(config, 3600)  # far past the test's timeout
+    assert not live_server_pids(path)
 
 
 def test_auto_start_in_process_leaves_no_resource_warning(sock_dir: str) -> None:
@@ -350,6 +370,27 @@ def test_a_server_gone_under_load_is_restarted_beside_the_calls(sock_dir: str) -
             assert second != first and store.reconnects == 2
         finally:
             store.close()
+    finally:
+        stop_servers(path)
+
+
+def test_an_auto_started_server_leaves_openmp_thread_placement_behind(
+    sock_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU worker sets GOMP_CPU_AFFINITY to its compute cores and preloads libgomp,
+    which pins the main thread of every process that inherits both: a server it starts gets
+    the rest of the environment, not the placement (it imported for 16 s on a busy core)."""
+    path = f"{sock_dir}/pool.sock"
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "0")
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    monkeypatch.setenv("KVFLOW_TEST_PASSED_ON", "yes")
+    try:
+        kvflow.SharedStore(socket=path, auto_start=True, capacity="8MiB").close()
+        (pid,) = live_server_pids(path)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if item)
+        assert b"GOMP_CPU_AFFINITY" not in env and b"OMP_PROC_BIND" not in env
+        assert env[b"KVFLOW_TEST_PASSED_ON"] == b"yes"
     finally:
         stop_servers(path)
 

@@ -4,6 +4,8 @@ too many clients), lease expiry, and release of a client's sessions when it leav
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import itertools
 import os
 import shutil
 import socket
@@ -11,7 +13,8 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -21,7 +24,9 @@ from kvflow.abc import Direction, WriteStatus
 from kvflow.errors import PoolRunningError
 from kvflow.pool import PoolConfig, PoolServer
 from kvflow.pool import protocol as p
+from kvflow.pool import server as server_module
 from kvflow.pool.client import PoolConnection
+from kvflow.pool.memory import clear_pages, make_arena, map_shared, unmap
 from tests.support.caches import make_caches
 from tests.support.objects import (
     OBJ_BYTES,
@@ -178,6 +183,74 @@ def test_a_stopped_servers_path_can_be_served_again(sock_dir: str) -> None:
         pass
     with PoolServer(PoolConfig(socket=path, capacity="2MiB")), greet(path) as conn:
         assert conn.hello.capacity == 2 << 20
+
+
+# -- the arena's pages ------------------------------------------------------------------------
+
+
+def resident(addr: int) -> int:
+    """Bytes of this process's mapping at ``addr`` that are in its page tables (smaps' Rss)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line[:1] in "0123456789abcdef" and int(line.split("-", 1)[0], 16) == addr:
+            rss = next(row for row in lines[i + 1 :] if row.startswith("Rss:"))
+            return int(rss.split()[1]) << 10
+    raise AssertionError(f"no mapping at {addr:#x}")
+
+
+def test_clear_pages_faults_the_arena_in_piece_by_piece_and_stops_when_told() -> None:
+    size, piece = 8 << 20, 2 << 20
+    fd = make_arena(size)
+    addr = map_shared(fd, size, populate=False)
+    try:
+        ctypes.memmove(addr + piece + 5, b"kept", 4)  # a client wrote there first
+        assert resident(addr) == 4096
+        calls = itertools.count()
+        clear_pages(addr, size, lambda: next(calls) == 2, piece)  # two pieces, then stop
+        assert resident(addr) == 2 * piece
+        clear_pages(addr, size, lambda: False, piece)
+        assert resident(addr) == size
+        assert ctypes.string_at(addr + piece + 5, 4) == b"kept"  # cleared, not overwritten
+        assert ctypes.string_at(addr, 5) == bytes(5)
+    finally:
+        unmap(addr, size)
+        os.close(fd)
+
+
+def clearing_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvflow-pool-clear"]
+
+
+def test_the_server_serves_while_its_arena_is_cleared(
+    sock_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clearing a large arena's pages takes seconds on a loaded machine, while every client's
+    call would fail as a miss: clients are served from the start, and what they write before
+    the pages are cleared is kept. The clearing here waits for the test's word."""
+    go, done = threading.Event(), threading.Event()
+
+    def held(addr: int, size: int, stop: Callable[[], bool]) -> None:
+        assert go.wait(60)
+        clear_pages(addr, size, stop)
+        done.set()
+
+    monkeypatch.setattr(server_module, "clear_pages", held)
+    path = f"{sock_dir}/pool.sock"
+    with PoolServer(PoolConfig(socket=path, capacity="8MiB")):
+        store = kvflow.SharedStore(socket=path, timeout_s=60)
+        try:
+            objects = {f"c{i}": content(f"c{i}") for i in range(8)}
+            assert (write_objects(store, objects) == WriteStatus.GRANTED).all()
+            assert not done.is_set() and clearing_threads()
+            go.set()
+            assert done.wait(60)
+            got = read_objects(store, list(objects), OBJ_BYTES)
+            for key, want in objects.items():
+                np.testing.assert_array_equal(got[key], want)
+        finally:
+            store.close()
+    assert not clearing_threads()
 
 
 # -- peers ------------------------------------------------------------------------------------
