@@ -23,7 +23,8 @@ connector could at best give: every prefix a device hit); ``kvflow_floor`` and
 nothing there: what its lookups and saves cost a prefix cache that hits on its own); and, to
 take that cost apart, ``kvflow_idle_floor`` (the connector and its pool, with ``load`` and
 ``save`` off), ``kvflow_lookups_floor`` (``save`` off) and ``kvflow_saves_floor`` (``load``
-off).
+off); ``kvflow_no_tails`` and ``kvflow_mooncake_no_tails``, those rows with ``tail_chunks``
+off (a hit ends at a whole chunk).
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -95,6 +96,8 @@ ON_REQUEST = (
     "kvflow_floor",
     "mooncake_store_connector_floor",
     *(f"kvflow_{part}_floor" for part in ("idle", "lookups", "saves")),
+    "kvflow_no_tails",
+    "kvflow_mooncake_no_tails",
 )  # and kvflow_chunkN
 # the ``kvflow_*_floor`` rows that do part of the connector's work: what the rest leaves out
 PARTS: dict[str, dict[str, bool]] = {
@@ -198,6 +201,8 @@ def start_rows(
     for row in rows:
         floor = row.endswith("floor")  # the floor's device KV
         connector = row.removesuffix("_floor")
+        no_tails = {"tail_chunks": False} if connector.endswith("_no_tails") else {}
+        connector = connector.removesuffix("_no_tails")
         env: dict[str, str] = {}
         transfer: dict[str, Any] | None = None
         count = 2 if row == "kvflow_two_servers" else 1
@@ -217,6 +222,7 @@ def start_rows(
             stack.callback(stop_pool, socket)  # first: callbacks run last to first
             extra: dict[str, Any] = {"chunk_blocks": int(chunk[1]) // shape.block} if chunk else {}
             extra.update(part)
+            extra.update(no_tails)
             if row.startswith("kvflow_small_pool"):  # the pool starts itself, so small
                 most = shape.kv_bytes(
                     max(shape.working_set()["bench"], shape.working_set()["chat"])
@@ -228,7 +234,9 @@ def start_rows(
         elif connector == "kvflow_mooncake":
             pools[row] = {"master": stack.enter_context(MooncakeMaster())}
             master = pools[row]["master"].address
-            transfer = kvflow_transfer_config(kvflow_mooncake_extra(master, shape.pool))
+            transfer = kvflow_transfer_config(
+                {**kvflow_mooncake_extra(master, shape.pool), **no_tails}
+            )
         elif connector == "mooncake_store_connector":
             pools[row] = {"master": stack.enter_context(MooncakeMaster())}
             master = pools[row]["master"].address

@@ -33,12 +33,19 @@ DOWN = tokens(280, 598)  # sent through the proxy with the pool stopped
 
 
 def chunked(prompt: list[int]) -> int:
-    """The tokens of a prompt's whole chunks, short of its last token (what a hit can be)."""
-    return (len(prompt) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+    """The tokens of a prompt's whole blocks, short of its last token (what a hit can be: whole
+    chunks, then a tail)."""
+    return (len(prompt) - 1) // BLOCK * BLOCK
 
 
 def stored(prompt: list[int]) -> int:
-    """The tokens of a prompt's whole chunks (what its prefill saves)."""
+    """The tokens of a prompt's whole blocks (what its prefill saves: whole chunks and a tail;
+    none of ``PROMPTS`` ends on a block, which would add the tail one block shorter)."""
+    return len(prompt) // BLOCK * BLOCK
+
+
+def whole_chunks(prompt: list[int]) -> int:
+    """The tokens of a prompt's whole chunks (what a consumer counts as not stored)."""
     return len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS
 
 
@@ -87,8 +94,8 @@ def check_pairing(
     decoded: dict[str, float],
     prefilled: dict[str, float],
 ) -> None:
-    """The proxy's answers are the single instance's; the consumer hit every whole chunk of
-    every prompt and saved nothing, the producer saved every prompt chunk."""
+    """The proxy's answers are the single instance's; the consumer hit every whole block of
+    every prompt but the last token's and saved nothing, the producer saved every whole block."""
     assert answered == reference["prompts"]
     prompt_tokens = sum(len(p) for p in PROMPTS)
     assert decoded["vllm:prompt_tokens_total"] == prompt_tokens
@@ -107,6 +114,6 @@ def check_direct(
     assert answers(consumer.url, [DIRECT]) == reference["direct"]
     after = consumer.metrics()
     assert after["vllm:kvflow_saved_tokens_total"] == 0
-    assert after["vllm:kvflow_role_unsaved_tokens_total"] == stored(DIRECT)
+    assert after["vllm:kvflow_role_unsaved_tokens_total"] == whole_chunks(DIRECT)
     if objects is not None:
         assert pool_stats(extra["shared"]["socket"])["objects"] == objects

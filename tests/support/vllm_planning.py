@@ -77,6 +77,10 @@ class FakeRequest:
         """The pool key of chunk ``chunk``: its last block's hash."""
         return self.hashes[(chunk + 1) * CB - 1]
 
+    def tail_hash(self, chunk: int, blocks: int) -> bytes:
+        """The pool key of chunk ``chunk``'s tail of ``blocks`` blocks: its last block's hash."""
+        return self.hashes[chunk * CB + blocks - 1]
+
     def decode(self, tokens: int) -> None:
         """Append the hashes of blocks that ``tokens`` more tokens fill."""
         total = self.prompt_tokens + tokens
@@ -128,10 +132,12 @@ def planner(
     save: bool = True,
     save_generated: bool = False,
     window: int = 0,
+    tails: bool = False,
     seen_limit: int = 1 << 16,
     clock: Clock | None = None,
 ) -> ChunkPlanner:
-    """A planner with BS-token blocks and CB-block chunks over ``pool``."""
+    """A planner with BS-token blocks and CB-block chunks over ``pool`` (``tails``: see
+    ``planner.py``)."""
     return ChunkPlanner(
         block_size=BS,
         chunk_blocks=CB,
@@ -140,6 +146,7 @@ def planner(
         save=save,
         save_generated=save_generated,
         window=window,
+        tails=tails,
         seen_limit=seen_limit,
         clock=clock or Clock(),
     )

@@ -1,7 +1,11 @@
 """ChunkGrid: where a request's chunks, blocks and sliding window fall (pure arithmetic).
 
 A chunk is ``chunk_blocks`` vLLM blocks of ``block_size`` tokens; its key is its last block's
-hash (vLLM's block hashes are prefix-chained, so that hash names the whole prefix). With
+hash (vLLM's block hashes are prefix-chained, so that hash names the whole prefix). A chunk's
+tail, its first blocks (fewer than a chunk's: a prompt's last whole blocks), is an object of its
+own, keyed the same way by its own last block (no whole chunk's key: those end at a chunk
+boundary), its places after those blocks holding the chunk before's last blocks (real KV, which
+a tail's load skips). With
 sliding-window attention (``window``: the tokens whose blocks vLLM keeps behind a position, its
 own included), vLLM keeps only the blocks the next token's window reads and puts its null block
 (``NULL_BLOCK``) in the block table for the others; a hit ending at chunk ``E`` then needs only
@@ -42,6 +46,41 @@ class ChunkGrid:
 
     def chunk_hash(self, block_hashes: Sequence[bytes], chunk: int) -> bytes:
         return bytes(block_hashes[(chunk + 1) * self.chunk_blocks - 1])
+
+    def tail_hash(self, block_hashes: Sequence[bytes], chunk: int, blocks: int) -> bytes:
+        """The key of chunk ``chunk``'s tail of ``blocks`` blocks (fewer than a chunk's): its
+        last block's hash, which no whole chunk's key is (those end at a chunk boundary)."""
+        return bytes(block_hashes[chunk * self.chunk_blocks + blocks - 1])
+
+    def tails(self, first: int, most: int, held: int) -> list[tuple[int, int]]:
+        """``(chunk, blocks)`` of every tail a hit may end with: of the chunks from ``first``,
+        ending after the ``held`` blocks (vLLM's own hit) and at block ``most`` at the latest."""
+        cb = self.chunk_blocks
+        return [
+            (chunk, blocks)
+            for chunk in range(first, most // cb + 1)
+            for blocks in range(1, cb)
+            if held < chunk * cb + blocks <= most
+        ]
+
+    def longest_tails(
+        self, tails: Sequence[tuple[int, int]], found: np.ndarray, first: int, end: int
+    ) -> np.ndarray:
+        """Per chunk in ``[first, end]``, the blocks of its longest tail found (0: none), from
+        ``tails`` (as ``tails()`` gives them) and ``found[i]``: whether ``tails[i]`` was."""
+        longest = np.zeros(end - first + 1, dtype=np.int64)
+        for (chunk, blocks), f in zip(tails, found, strict=True):
+            if f:
+                longest[chunk - first] = max(longest[chunk - first], blocks)
+        return longest
+
+    def tail_block_ids(self, block_ids: Sequence[int], chunk: int, blocks: int) -> tuple[int, ...]:
+        """The places of chunk ``chunk``'s tail object of ``blocks`` blocks (``chunk`` > 0), for
+        its save: those blocks, then the chunk before's last blocks (real KV, distinct blocks,
+        never loaded: a tail's load skips them)."""
+        start = chunk * self.chunk_blocks
+        rest = self.chunk_blocks - blocks
+        return (*block_ids[start : start + blocks], *block_ids[start - rest : start])
 
     def dropped_blocks(self, computed: int) -> int:
         """The blocks before the window of the token after the first ``computed``: vLLM keeps

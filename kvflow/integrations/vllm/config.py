@@ -54,7 +54,12 @@ class ConnectorConfig(Config):
             ``local_memory`` is ``device`` for NPU caches, ``host`` otherwise.
         local_capacity: the embedded pool's size.
         chunk_blocks: vLLM blocks per pool object (default: 64 tokens' worth, at least 1).
-            Hits are whole chunks.
+            Hits are whole chunks, then with ``tail_chunks`` a tail.
+        tail_chunks: also store a prompt's last whole blocks short of a chunk (its tail), as
+            one more object, and find them: a prompt that extends a stored one (the next turn
+            of a conversation, a resumed request, a decode node's prompt) then hits up to its
+            last whole block instead of its last whole chunk (not with a sliding window or
+            several KV cache groups).
         use_layerwise: load layer by layer while the model computes (true), or load every layer
             before the forward (false: the comparison point).
         save: store newly computed prompt chunks; load: look up and load them. What an
@@ -90,6 +95,7 @@ class ConnectorConfig(Config):
     memcache: Mapping[str, Any] = settings(default_factory=dict)
     local_capacity: int | str = size(default="4GiB")
     chunk_blocks: int = count(default=0, low=0)  # 0: DEFAULT_CHUNK_TOKENS' worth
+    tail_chunks: bool = flag(default=True)
     use_layerwise: bool = flag(default=True)
     save: bool = flag(default=True)
     load: bool = flag(default=True)

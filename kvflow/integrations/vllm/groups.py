@@ -43,6 +43,11 @@ class GroupPlanner:
         self.chunk_tokens = planners[0].chunk_tokens
 
     @property
+    def asked_tokens(self) -> int:
+        """The tokens the pool was asked about, so far (every group asks for the same ones)."""
+        return self.planners[0].asked_tokens
+
+    @property
     def async_loads(self) -> bool:
         return any(p.async_loads for p in self.planners)
 

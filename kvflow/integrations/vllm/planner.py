@@ -11,6 +11,12 @@ hit never covers the whole prompt: the token that produces the first output is a
 A planner that does not save (``save`` false: a ``kv_consumer``) counts the prompt chunks it
 would have saved (``take_unsaved_chunks``).
 
+With ``tails`` (not with a sliding window or asynchronous loads), a prompt's last whole blocks
+short of a chunk are stored too, in the step that completes it, as a tail object (``chunks.py``);
+a lookup asks for the tails beside the chunks, and a hit is a run of whole chunks and then the
+longest tail found of the chunk after them: a later prompt that extends this one (the next turn,
+a resumed request, a decode node's prompt) hits up to its last whole block.
+
 A load starts in the chunk where vLLM's own prefix-cache hit ends. That hit is counted in
 blocks, so it often ends inside a chunk: the chunk is loaded all the same, its blocks vLLM holds
 named ``SKIP_BLOCK`` (nothing is written into them; other requests may be reading them).
@@ -77,7 +83,8 @@ class Transfer:
     """One request's part of a step's load or save: chunk hashes and their blocks in order,
     from chunk ``first_chunk``; ``preceding``: the hashes of the prompt's chunks before it
     (``kvflow.ChunkHashes.preceding``: not moved, they order the pool's eviction); ``group``:
-    the KV cache group (vLLM's hybrid KV cache manager gives each its layers and blocks)."""
+    the KV cache group (vLLM's hybrid KV cache manager gives each its layers and blocks);
+    ``tail``: the last chunk is a tail object of that many blocks (0: a whole chunk)."""
 
     req_id: str
     hashes: tuple[bytes, ...]
@@ -85,6 +92,7 @@ class Transfer:
     first_chunk: int
     preceding: tuple[bytes, ...] = ()
     group: int = 0  # vLLM's KV cache group whose layers and blocks these are
+    tail: int = 0
 
 
 class ChunkPlanner:
@@ -107,6 +115,7 @@ class ChunkPlanner:
         save_generated: bool = False,
         window: int = 0,
         async_loads: bool | None = None,
+        tails: bool = False,
         group: int = 0,
         seen_limit: int = SEEN_LIMIT,
         clock: Callable[[], float] = time.monotonic,
@@ -118,6 +127,8 @@ class ChunkPlanner:
         self.window = window
         self.group = group
         self._async = bool(window) if async_loads is None else async_loads
+        self._tails = tails and chunk_blocks > 1 and not window and not self._async
+        self.asked_tokens = 0  # tokens the pool was asked about, so far
         self._lookup = lookup
         self._load, self._save = load, save
         self._save_generated = save_generated
@@ -154,29 +165,39 @@ class ChunkPlanner:
         fresh = t.answer is not None and now - t.answer[1] < REUSE_S
         if t.answer is None or t.answer[0] != num_computed or not (fresh or limit is not None):
             t.answer = (num_computed, now, *self._ask(block_hashes(), prompt_tokens, num_computed))
-        first, found = t.answer[2], t.answer[3]
+        first, found, tails = t.answer[2:]
         hits = 0 if found is None else self.grid.hit_end(found, first, limit) - first
-        if not hits:
+        tail = 0 if tails is None or limit is not None else int(tails[hits])
+        if not hits and not tail:
             return 0
         skip = num_computed // self.block_size - first * self.chunk_blocks
-        self._hits[req_id] = Hit(first, hits, skip)
-        return (first + hits) * self.chunk_tokens - num_computed
+        self._hits[req_id] = Hit(first, hits, skip, tail)
+        return (first + hits) * self.chunk_tokens + tail * self.block_size - num_computed
 
     def _ask(
         self, hashes: Sequence[bytes], prompt_tokens: int, num_computed: int
-    ) -> tuple[int, np.ndarray | None]:
+    ) -> tuple[int, np.ndarray | None, np.ndarray | None]:
         """Look up the chunks a hit after ``num_computed`` tokens may take: the first of them,
-        and per chunk whether it was found (None: none to ask)."""
+        per chunk whether it was found (None: none to ask), and with tails, per chunk from the
+        first, the blocks of its longest tail found beyond ``num_computed`` (0: none)."""
         first = num_computed // self.chunk_tokens
-        end = min((prompt_tokens - 1) // self.chunk_tokens, len(hashes) // self.chunk_blocks)
-        if end <= first:
-            return first, None
-        asked = self.chunk_hashes(hashes, first, end)
+        most = min((prompt_tokens - 1) // self.block_size, len(hashes))  # blocks a hit may end at
+        end = most // self.chunk_blocks
+        tails = self.grid.tails(first, most, num_computed // self.block_size) if self._tails else []
+        if end <= first and not tails:
+            return first, None, None
+        asked = self.chunk_hashes(hashes, first, max(first, end))
+        keys = list(asked) + [self.grid.tail_hash(hashes, c, b) for c, b in tails]
         preceding = self.chunk_hashes(hashes, 0, first)
-        found = np.asarray(self._lookup(list(asked), list(preceding)), dtype=bool)
-        self._seen.add(h for h, f in zip(asked, found, strict=True) if f)
-        self._seen.discard(h for h, f in zip(asked, found, strict=True) if not f)
-        return first, found
+        found = np.asarray(self._lookup(keys, list(preceding)), dtype=bool)
+        self.asked_tokens += (most if tails else end * self.chunk_blocks) * self.block_size
+        self.asked_tokens -= first * self.chunk_tokens
+        self._seen.add(h for h, f in zip(keys, found, strict=True) if f)
+        self._seen.discard(h for h, f in zip(keys, found, strict=True) if not f)
+        if not self._tails:
+            return first, found, None
+        longest = self.grid.longest_tails(tails, found[len(asked) :], first, max(first, end))
+        return first, found[: len(asked)], longest
 
     def allocated(
         self, req_id: str, num_external_tokens: int, block_ids: Sequence[int] = ()
@@ -190,16 +211,16 @@ class ChunkPlanner:
             return
         cb = self.chunk_blocks
         held = hit.first * cb + hit.skip  # blocks in vLLM's own cache
-        end = min(
-            hit.first + hit.chunks,
-            (held * self.block_size + num_external_tokens) // self.chunk_tokens,
-        )
+        reach = held * self.block_size + num_external_tokens
+        end = min(hit.first + hit.chunks, reach // self.chunk_tokens)
+        tail_end = (hit.first + hit.chunks) * self.chunk_tokens + hit.tail * self.block_size
+        tail = hit.tail if reach >= tail_end else 0  # the tail only after every chunk before it
         first = max(hit.first, self.grid.window_chunk(end))
-        if end <= first:
+        if end <= first and not tail:
             return
         skip = max(0, held - first * cb)
         if not self.async_loads:
-            self._loads[req_id] = Hit(first, end - first, skip)
+            self._loads[req_id] = Hit(first, end - first, skip, tail)
             return
         t = self._tracked[req_id]
         t.block_ids = list(block_ids)
@@ -247,7 +268,11 @@ class ChunkPlanner:
             load = self._loads.pop(req_id, None)
             if load is not None:
                 end = load.first + load.chunks
-                loads.append(self._transfer(req_id, t, hashes, load.first, end, skip=load.skip))
+                loads.append(
+                    self._transfer(
+                        req_id, t, hashes, load.first, end, skip=load.skip, tail=load.tail
+                    )
+                )
                 t.stored_chunks = max(t.stored_chunks, end)
             ended = min(computed + scheduled_tokens, t.prompt_tokens)
             if self._save_generated:  # generated tokens' KV, once their tokens are final
@@ -264,7 +289,27 @@ class ChunkPlanner:
             elif done > first:
                 self._unsaved += done - first
             t.stored_chunks = max(t.stored_chunks, done)
+            if self._tails and self._save and computed < t.prompt_tokens <= ended:
+                saves += self._tail_saves(req_id, t, hashes)
         return loads, saves
+
+    def _tail_saves(self, req_id: str, t: RequestState, hashes: Sequence[bytes]) -> list[Transfer]:
+        """The saves of a completed prompt's tails (see the module's docstring): of its whole
+        blocks (what a longer prompt hits) and, where its last block is whole, of all but that
+        one (what the same prompt hits: never its last token); none that ends a chunk, or was
+        seen in the pool recently."""
+        full = min(t.prompt_tokens // self.block_size, len(hashes), len(t.block_ids))
+        out = []
+        for end in sorted({full, min(full, (t.prompt_tokens - 1) // self.block_size)}):
+            chunk, blocks = divmod(end, self.chunk_blocks)
+            key = self.grid.tail_hash(hashes, chunk, blocks) if blocks and chunk else None
+            if key is None or self._seen.recent(key):
+                continue
+            self._seen.add((key,))
+            ids = self.grid.tail_block_ids(t.block_ids, chunk, blocks)
+            preceding = self.chunk_hashes(hashes, 0, chunk)
+            out.append(Transfer(req_id, (key,), ids, chunk, preceding, self.group, blocks))
+        return out
 
     def take_unsaved_chunks(self) -> int:
         """The chunks a planner that does not save would have saved, since the last call."""
@@ -327,18 +372,25 @@ class ChunkPlanner:
         end: int,
         *,
         skip: int = 0,
+        tail: int = 0,
     ) -> Transfer:
-        """Chunks ``[first, end)`` of a request and their blocks; the first ``skip`` blocks, and
-        with a sliding window vLLM's null block, as ``SKIP_BLOCK`` (only loads have either)."""
+        """Chunks ``[first, end)`` of a request and their blocks, and the ``tail`` first blocks of
+        chunk ``end`` (its tail object, ``SKIP_BLOCK`` past them); the first ``skip`` blocks, and
+        with a sliding window vLLM's null block, as ``SKIP_BLOCK`` (only loads have any)."""
         cb = self.chunk_blocks
-        blocks = t.block_ids[first * cb : end * cb]
+        blocks = t.block_ids[first * cb : end * cb + tail]
         if self.window:
             blocks = [SKIP_BLOCK if b == NULL_BLOCK else b for b in blocks]
+        keys = self.chunk_hashes(hashes, first, end)
+        if tail:
+            blocks = [*blocks, *(SKIP_BLOCK,) * (cb - tail)]
+            keys += (self.grid.tail_hash(hashes, end, tail),)
         return Transfer(
             req_id,
-            self.chunk_hashes(hashes, first, end),
+            keys,
             (SKIP_BLOCK,) * skip + tuple(blocks[skip:]),
             first,
             self.chunk_hashes(hashes, 0, first),
             self.group,
+            tail,
         )

@@ -84,6 +84,7 @@ class KVFlowConnectorScheduler:
                     save_generated=config.save_decode_cache,
                     window=group.window,
                     async_loads=True if several else None,
+                    tails=config.tail_chunks,
                     group=g,
                     # twice the chunks vLLM's cache holds: those it can serve, and recent others
                     seen_limit=2 * group.num_blocks // group.chunk_blocks,
@@ -91,7 +92,6 @@ class KVFlowConnectorScheduler:
                 for g, group in enumerate(groups)
             ]
         )
-        self._asked = 0  # chunks looked up, so far
         self._epoch: object = None  # the pool's contents_epoch at the last lookup
         self._unreachable = False  # the last lookup found the pool unreachable
         # one helper thread; while a lookup that timed out still runs, the next ones miss at once
@@ -110,8 +110,6 @@ class KVFlowConnectorScheduler:
         if preceding:
             context = [k for space in spaces for k in space.keys(preceding)]
             lookup = functools.partial(self._store.lookup_with_context, context=context)
-        if group == 0:  # the tokens asked: every group asks for the same ones
-            self._asked += len(hashes)
         begun = trace.now() if trace.ENABLED else 0
         try:
             found = self._lookups.call("", lookup, keys)
@@ -139,16 +137,16 @@ class KVFlowConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        asked = self._asked
+        asked = self._planner.asked_tokens
         tokens = self._planner.matched_tokens(
             request.request_id,
             lambda: request.block_hashes,
             request.num_prompt_tokens,
             num_computed_tokens,
         )
-        if self._asked > asked:  # the pool was asked
+        if self._planner.asked_tokens > asked:  # the pool was asked
             with self._stats.update() as stats:
-                stats.record_lookup((self._asked - asked) * self.group.chunk_tokens, tokens)
+                stats.record_lookup(self._planner.asked_tokens - asked, tokens)
         return tokens, tokens > 0 and self._planner.async_loads
 
     def update_state_after_alloc(

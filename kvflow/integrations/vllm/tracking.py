@@ -24,12 +24,14 @@ SEEN_LIMIT = 1 << 16  # chunk hashes remembered, by default
 
 @dataclass(frozen=True)
 class Hit:
-    """Chunks ``[first, first + chunks)`` found in the pool; the first ``skip`` blocks of chunk
-    ``first`` are vLLM's own prefix-cache hit."""
+    """Chunks ``[first, first + chunks)`` found in the pool, and the ``tail`` first blocks of
+    chunk ``first + chunks`` (a tail object: see ``planner.py``); the first ``skip`` blocks of
+    chunk ``first`` are vLLM's own prefix-cache hit."""
 
     first: int
     chunks: int
     skip: int
+    tail: int = 0
 
 
 @dataclass
@@ -40,8 +42,9 @@ class RequestState:
     prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     stored_chunks: int = 0  # chunks [0, stored_chunks) need no save
-    # the last lookup: num_computed, when, its first chunk and what it found (None: nothing asked)
-    answer: tuple[int, float, int, np.ndarray | None] | None = None
+    # the last lookup: num_computed, when, its first chunk, what it found (None: nothing asked)
+    # and the longest tail found per chunk from the first (blocks; None: no tails asked)
+    answer: tuple[int, float, int, np.ndarray | None, np.ndarray | None] | None = None
     load_failed: bool = False  # an asynchronous load failed: vLLM recomputes, no hit again
 
 

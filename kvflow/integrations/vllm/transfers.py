@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from kvflow.integrations.vllm.caches import CacheGroup
     from kvflow.integrations.vllm.config import ConnectorConfig
     from kvflow.integrations.vllm.metrics import StatsInterval
+    from kvflow.integrations.vllm.planner import Transfer
     from kvflow.pipeline.sync import SyncLoadHandle, SyncSaveHandle, SyncTransferEngine
 
 __all__ = ["Transfers"]
@@ -95,24 +97,31 @@ class Transfers:
                 engine.close()
         self.engine = self._stopped = None
 
-    def finish_save(self, handle: SyncSaveHandle) -> None:
-        """Wait for a save's result and count it."""
+    def finish_save(self, handle: SyncSaveHandle, transfers: Sequence[Transfer]) -> None:
+        """Wait for a save's result and count it (``transfers``: the save's, in its order; a
+        tail counts its own blocks' tokens, and a whole chunk's bytes: its padding is copied)."""
         backlog = handle.handle.backlog  # layers still to copy (it opened: layers came)
         result = self.result(handle, "save")
-        tokens_per_chunk = self.group.chunk_blocks * self.group.block_size
         with self._stats.update() as stats:
             d = stats.data
             d["saves"] += 1
             stats.record_save_backlog(backlog)
             if result is None:
                 return
-            ok, failed = result.count(ChunkStatus.OK), result.count(ChunkStatus.FAILED)
-            d["saved_tokens"] += ok * tokens_per_chunk
-            d["saved_bytes"] += ok * self.group.chunk_blocks * self.block_bytes
-            skipped = result.count(ChunkStatus.EXISTS) + result.count(ChunkStatus.NO_SPACE)
-            d["save_skipped_tokens"] += skipped * tokens_per_chunk
-            d["save_failed_tokens"] += failed * tokens_per_chunk
-            d["save_failed_chunks"] += failed
+            tokens = dict.fromkeys(ChunkStatus, 0)
+            for transfer, request in zip(transfers, result.requests, strict=True):
+                for i, status in enumerate(request.chunk_status.tolist()):
+                    tail = transfer.tail and i == len(transfer.hashes) - 1
+                    blocks = transfer.tail if tail else self.group.chunk_blocks
+                    tokens[ChunkStatus(status)] += blocks * self.group.block_size
+            d["saved_tokens"] += tokens[ChunkStatus.OK]
+            d["saved_bytes"] += (
+                result.count(ChunkStatus.OK) * self.group.chunk_blocks * self.block_bytes
+            )
+            skipped = tokens[ChunkStatus.EXISTS] + tokens[ChunkStatus.NO_SPACE]
+            d["save_skipped_tokens"] += skipped
+            d["save_failed_tokens"] += tokens[ChunkStatus.FAILED]
+            d["save_failed_chunks"] += result.count(ChunkStatus.FAILED)
 
     def load_failures(self, result: TransferResult | None, planned: np.ndarray) -> np.ndarray:
         """The ``planned`` blocks of an ended load that failed, counted in the stats: all of

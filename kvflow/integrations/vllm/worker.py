@@ -252,7 +252,7 @@ class KVFlowConnectorWorker:
             if failed or step.save_stopped or not step.save_written:
                 self._transfers.drop(step.save, "save")
             elif self._release_held(step):
-                self._transfers.finish_save(step.save)
+                self._transfers.finish_save(step.save, step.meta.saves)
             if trace.ENABLED:
                 trace.async_end("step_save", step.ident, "step")
 

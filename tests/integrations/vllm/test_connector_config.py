@@ -80,6 +80,7 @@ def test_every_key_is_accepted() -> None:
         "memcache": {},
         "local_capacity": "64MiB",
         "chunk_blocks": 4,
+        "tail_chunks": False,
         "use_layerwise": False,
         "save": False,
         "load": False,

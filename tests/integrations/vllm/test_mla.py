@@ -65,8 +65,8 @@ def test_mla_cold_warm_partial_and_failed_loads(
     assert cached(warm) == [hit(A), hit(A_204), hit(B, shared=200), hit(A_400, shared=300)]
     assert cached(warm)[1:] == cached(ref)[1:]  # the lengths of vLLM's own hits
     assert tokens(warm) == tokens(ref)
-    # B's own whole chunks (tokens 192-287), A_400's past A's (288-383)
-    assert objects(pool_dir) == MLA_CHUNKS + 3 + 3
+    # B's own whole chunks (tokens 192-287), A_400's past A's (288-383) and its tail (384-399)
+    assert objects(pool_dir) == MLA_CHUNKS + 3 + 3 + 1
 
     failing = vllm([A], model=mla_model, extra={**extra, "debug_fail_loads": True}, llm=MLA)
     assert "Recovered from KV load failure" in failing["log"]

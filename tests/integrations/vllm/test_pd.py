@@ -3,9 +3,10 @@ instance on one pool (kvflow's shared pool; Mooncake Store), ``examples/pd_proxy
 
 Every request goes through the proxy, four at a time: to the producer with ``max_tokens`` 1,
 then at once (no sleep) to the consumer, whose answer comes back. Checked, per pool: the
-consumer's external hits are every whole chunk of every prompt (the producer's save was
-committed before it answered), its tokens are those of one instance without a connector, the
-consumer saved nothing (its own counters) while the producer saved every prompt chunk, and a
+consumer's external hits are every whole block of every prompt short of its last token (whole
+chunks, then a tail: the producer's save was committed before it answered), its tokens are those
+of one instance without a connector, the consumer saved nothing (its own counters) while the
+producer saved every whole block of every prompt, and a
 prompt sent to the consumer directly (no prefill) is computed there and not stored. With the
 shared pool stopped, requests through the proxy still get the single instance's tokens (every
 lookup a miss, nothing waits).

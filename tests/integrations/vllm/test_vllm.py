@@ -66,7 +66,9 @@ def test_out_of_the_box_cold_then_warm(
         assert copy and not set(copy) & set(model)
 
     warm = vllm([A, B, C], extra={}, env=env, processes=True)  # default chunks: 2 blocks
-    assert cached(warm) == [256, 192, 128]  # B: the 192 it shares with A; C: all it saved
+    # A: its 4 chunks and its tail (block 8, saved in the step that completed its prompt);
+    # B: the 192 it shares with A; C: all it saved (4 blocks, no tail)
+    assert cached(warm) == [288, 192, 128]
     assert tokens(warm) == [baseline["A"], baseline["B"], baseline["C"]]
 
 
@@ -211,12 +213,13 @@ def test_a_prefix_cache_hit_ending_inside_a_chunk_loads_the_rest(
     """Chunks of two blocks (64 tokens). vLLM's own cache holds A's first three blocks (from P,
     which shares A's first 100 tokens): its hit of A ends inside chunk 1. kvflow loads from
     there, into chunk 1's second block and on, leaving the first (vLLM's, shared with P)
-    alone: A's first 256 tokens are cached (vLLM's 96, kvflow's 160)."""
+    alone: A's first 288 tokens are cached (vLLM's 96, kvflow's 192: chunks 1-3 but their
+    first block, and A's tail, block 8)."""
     extra = shared_extra(pool_dir, chunk_blocks=2)
     assert cached(vllm([A], extra=extra)) == [0]
     p = A[:100] + random_tokens(20, 7)
     run = vllm([p, A], extra=extra, llm={"enable_prefix_caching": True}, one_by_one=True)
-    assert cached(run) == [64, 256]  # P: A's chunk 0 from the pool
+    assert cached(run) == [64, 288]  # P: A's chunk 0 from the pool
     assert tokens(run)[1] == baseline["A"]
 
 
