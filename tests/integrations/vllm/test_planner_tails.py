@@ -1,9 +1,10 @@
 """ChunkPlanner's tails, without vLLM: a prompt's last whole blocks short of a chunk.
 
 What is tested: the step that completes a prompt saves its tail (its blocks, then the chunk
-before's last blocks), once, and where its last block is whole the tail one block shorter; a later prompt that extends it (a conversation's next turn) hits
-up to its last whole block: its lookup asks for the tails beside the chunks, in one call, and
-its load carries the tail with ``SKIP_BLOCK`` past its blocks, also when vLLM's own cache holds
+before's last blocks), once, and where its last block is whole the tail one block shorter,
+which its repeat hits; a later prompt that extends it (a conversation's next turn) hits up to
+its last whole block: its lookup asks for the tails beside the chunks, in one call, and its
+load carries the tail with ``SKIP_BLOCK`` past its blocks, also when vLLM's own cache holds
 every whole chunk before; a tail never covers the last prompt token, is dropped when vLLM
 allocates less than the hit, and is not saved again once seen in the pool; a planner that does
 not save loads tails and saves none; no tails with a sliding window; the pool's keys are asked
@@ -124,7 +125,7 @@ def test_a_prompt_ending_on_a_chunk_saves_the_tail_its_repeat_hits() -> None:
     pool = FakePool()
     p = planner(pool, tails=True)
     a = request("a", 2 * CT)
-    assert match(p, a) == CT
+    assert match(p, a) == 0
     _, saves = p.step([new(a, BLOCKS[:4], 0, 2 * CT)])
     whole, tail = saves
     assert whole.hashes == (a.chunk_hash(0), a.chunk_hash(1))
