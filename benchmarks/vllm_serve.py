@@ -24,7 +24,8 @@ nothing there: what its lookups and saves cost a prefix cache that hits on its o
 take that cost apart, ``kvflow_idle_floor`` (the connector and its pool, with ``load`` and
 ``save`` off), ``kvflow_lookups_floor`` (``save`` off) and ``kvflow_saves_floor`` (``load``
 off); ``kvflow_no_tails`` and ``kvflow_mooncake_no_tails``, those rows with ``tail_chunks``
-off (a hit ends at a whole chunk).
+off (a hit ends at a whole chunk), and ``kvflow_no_tails_floor``, the ``kvflow_floor`` row
+with it off.
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -98,6 +99,7 @@ ON_REQUEST = (
     *(f"kvflow_{part}_floor" for part in ("idle", "lookups", "saves")),
     "kvflow_no_tails",
     "kvflow_mooncake_no_tails",
+    "kvflow_no_tails_floor",
 )  # and kvflow_chunkN
 # the ``kvflow_*_floor`` rows that do part of the connector's work: what the rest leaves out
 PARTS: dict[str, dict[str, bool]] = {

@@ -4,12 +4,13 @@ A chunk is ``chunk_blocks`` vLLM blocks of ``block_size`` tokens; its key is its
 hash (vLLM's block hashes are prefix-chained, so that hash names the whole prefix). A chunk's
 tail, its first blocks (fewer than a chunk's: a prompt's last whole blocks), is an object of its
 own, keyed the same way by its own last block (no whole chunk's key: those end at a chunk
-boundary), its places after those blocks holding the chunk before's last blocks (real KV, which
-a tail's load skips). With
-sliding-window attention (``window``: the tokens whose blocks vLLM keeps behind a position, its
-own included), vLLM keeps only the blocks the next token's window reads and puts its null block
-(``NULL_BLOCK``) in the block table for the others; a hit ending at chunk ``E`` then needs only
-the chunks that hold a block of the window before ``E``. No state, no I/O: the planner
+boundary); its places after those blocks hold the chunk before's last blocks (real KV, which a
+tail's load skips), so the first chunk has no tail.
+
+With sliding-window attention (``window``: the tokens whose blocks vLLM keeps behind a position,
+its own included), vLLM keeps only the blocks the next token's window reads and puts its null
+block (``NULL_BLOCK``) in the block table for the others; a hit ending at chunk ``E`` then needs
+only the chunks that hold a block of the window before ``E``. No state, no I/O: the planner
 (``planner.py``) asks these questions of its grid.
 """
 
@@ -53,12 +54,13 @@ class ChunkGrid:
         return bytes(block_hashes[chunk * self.chunk_blocks + blocks - 1])
 
     def tails(self, first: int, most: int, held: int) -> list[tuple[int, int]]:
-        """``(chunk, blocks)`` of every tail a hit may end with: of the chunks from ``first``,
-        ending after the ``held`` blocks (vLLM's own hit) and at block ``most`` at the latest."""
+        """``(chunk, blocks)`` of every tail a hit may end with: of the chunks from ``first``
+        but the first (a tail's save pads with the chunk before's blocks), ending after the
+        ``held`` blocks (vLLM's own hit) and at block ``most`` at the latest."""
         cb = self.chunk_blocks
         return [
             (chunk, blocks)
-            for chunk in range(first, most // cb + 1)
+            for chunk in range(max(first, 1), most // cb + 1)
             for blocks in range(1, cb)
             if held < chunk * cb + blocks <= most
         ]

@@ -154,9 +154,10 @@ class ChunkPlanner:
         limit: int | None = None,
     ) -> int:
         """Tokens beyond ``num_computed`` the pool can provide: a run of whole chunks from the one
-        that holds token ``num_computed`` (which must start a block), ending before the last
-        prompt token (with a sliding window, the run needs only the chunks of the window before
-        its end), and at chunk ``limit`` at the latest (given: the last answer is reused)."""
+        that holds token ``num_computed`` (which must start a block), then with tails the
+        longest tail found of the chunk after it, ending before the last prompt token (with a
+        sliding window, the run needs only the chunks of the window before its end), and at
+        chunk ``limit`` at the latest (given: the last answer is reused; then no tail)."""
         t = self._tracked.setdefault(req_id, RequestState(block_hashes, prompt_tokens))
         self._hits.pop(req_id, None)
         if not self._load or num_computed % self.block_size or t.load_failed:

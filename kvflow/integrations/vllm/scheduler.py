@@ -123,7 +123,7 @@ class KVFlowConnectorScheduler:
             return np.zeros(len(hashes), dtype=bool)
         finally:
             if begun:
-                trace.complete("lookup", begun, "scheduler", chunks=len(hashes))
+                trace.complete("lookup", begun, "scheduler", keys=len(hashes))
         self._unreachable = False
         epoch = self._store.contents_epoch()
         if epoch is not None and epoch != self._epoch:

@@ -7,10 +7,11 @@ its last whole block: its lookup asks for the tails beside the chunks, in one ca
 load carries the tail with ``SKIP_BLOCK`` past its blocks, also when vLLM's own cache holds
 every whole chunk before; a tail never covers the last prompt token, is dropped when vLLM
 allocates less than the hit, and is not saved again once seen in the pool; a planner that does
-not save loads tails and saves none; no tails with a sliding window; the pool's keys are asked
-once per lookup and ``asked_tokens`` counts tokens, not keys. And through the real
-``TransferEngine``: a saved tail loads bit-exact into the tail's block, and its padding places
-are left untouched.
+not save loads tails and saves none; the first chunk has no tail; no tails with a sliding
+window; the pool's keys are asked once per lookup and ``asked_tokens`` counts tokens, not keys;
+with four-block chunks, the longest tail found is taken and a tail pads with the chunk before's
+last blocks in order. And through the real ``TransferEngine``: a saved tail loads bit-exact
+into the tail's block, and its padding places are left untouched.
 
 The pool is a python set of stored keys (``tests/support/vllm_planning.py``); BS-token blocks,
 CB = 2 blocks a chunk, so every tail is one block.
@@ -25,6 +26,7 @@ import torch
 
 import kvflow
 from kvflow import SKIP_BLOCK
+from kvflow.integrations.vllm.chunks import ChunkGrid
 from kvflow.integrations.vllm.planner import ChunkPlanner
 from tests.support.pools import dispose, make_store
 from tests.support.vllm_planning import (
@@ -87,7 +89,7 @@ def test_a_prompt_extending_a_stored_one_hits_up_to_its_last_whole_block() -> No
     t2 = next_turn(4 * CT + 1)  # eight whole blocks: a's five, three of its own
 
     assert match(p, t2) == 2 * CT + BS
-    tails = [t2.tail_hash(c, 1) for c in range(4)]
+    tails = [t2.tail_hash(c, 1) for c in range(1, 4)]  # the first chunk has none
     assert pool.calls[-1] == [t2.chunk_hash(c) for c in range(4)] + tails
     assert t2.tail_hash(2, 1) == a.tail_hash(2, 1)
     p.allocated(t2.req_id, 2 * CT + BS)
@@ -145,8 +147,20 @@ def test_a_tail_never_covers_the_last_prompt_token() -> None:
 
     assert match(p, same_blocks) == 2 * CT  # the tail would reach the last token
     assert pool.calls[-1] == [same_blocks.chunk_hash(c) for c in range(2)] + [
-        same_blocks.tail_hash(c, 1) for c in range(2)
+        same_blocks.tail_hash(1, 1)
     ]
+
+
+def test_the_first_chunk_has_no_tail() -> None:
+    """A tail's save pads with the chunk before's blocks: a prompt within its first chunk
+    stores no tail, and no lookup asks for one."""
+    pool = FakePool()
+    p = planner(pool, tails=True)
+    short = request("s", BS + 2)  # one whole block
+    assert match(p, short) == 0
+    assert pool.calls == []  # nothing to ask: no whole chunk, no tail
+    _, saves = p.step([new(short, BLOCKS[:2], 0, BS + 2)])
+    assert saves == []
 
 
 def test_vllm_allocating_less_than_the_hit_drops_the_tail() -> None:
@@ -212,6 +226,17 @@ def test_asked_tokens_counts_the_tokens_asked_not_the_keys() -> None:
     match(p, t2, CT)
     assert len(pool.calls[-1]) == 3 + 3  # chunks 1-3 and their tails
     assert p.asked_tokens - before == 8 * BS - CT  # from chunk 1 to the last whole block
+
+
+def test_four_block_chunks_take_the_longest_tail_and_pad_in_order() -> None:
+    grid = ChunkGrid(BS, 4)
+    tails = grid.tails(first=0, most=11, held=5)  # vLLM holds 5 blocks; a hit ends by block 11
+    assert tails == [(1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]  # chunk 0 none; (1, 1) held
+    found = np.array([True, False, True, True, False])
+    assert grid.longest_tails(tails, found, first=0, end=2).tolist() == [0, 2, 2]
+    ids = list(range(20, 32))
+    assert grid.tail_block_ids(ids, chunk=2, blocks=1) == (28, 25, 26, 27)
+    assert grid.tail_block_ids(ids, chunk=1, blocks=3) == (24, 25, 26, 23)
 
 
 def test_a_saved_tail_loads_into_its_block_and_leaves_its_padding_alone() -> None:
