@@ -162,16 +162,21 @@ def test_a_failed_layer_fails_every_chunk_and_leaves_nothing_behind(
         standin.batch_copy = layer_two_fails  # type: ignore[method-assign]
         if direction == "save":
             result = engine.save(ids, np.arange(6)).requests[0]
-            assert standin.objects() == {}  # aborted: batch_write_finish with failures
-            assert standin.calls[-1].args[1] == (-1, -1, -1)
+            # never readable; the abort may follow the result: layer 3's copy, in flight when
+            # layer 2 failed, is not waited for (a straggler: kvflow/pipeline/stages.py, _settle)
+            assert "readable" not in standin.objects().values()
         else:
             for c in caches:
                 c[10:16] = 0
             result = engine.load(ids, np.arange(10, 16)).requests[0]
-            assert standin.leased() == set() and store.stats().leases == 0
         assert result.chunk_status.tolist() == [ChunkStatus.FAILED] * 3
         assert len(copies) in (3, 4)  # layer 3 is skipped when layer 2's failure came first
-    assert store.stats().open_sessions == 0
+    assert store.stats().open_sessions == 0  # the engine closed: every session ended
+    assert standin.leased() == set() and store.stats().leases == 0
+    if direction == "save":
+        assert standin.objects() == {}  # aborted: batch_write_finish with failures
+        finishes = [c for c in standin.calls if c.name == "batch_write_finish"]
+        assert [c.args[1] for c in finishes] == [(-1, -1, -1)]
 
 
 # -- key information and leases -----------------------------------------------------------------
