@@ -39,6 +39,7 @@ __all__ = [
     "ForkServer",
     "L",
     "LOOKUP",
+    "POOL_TIMEOUT_S",
     "VllmRun",
     "VllmRunner",
     "WINDOWED_A",
@@ -74,6 +75,9 @@ F32 = {"dtype": "float32"}
 # a lookup that times out is a miss (by design): on a loaded test machine the default 2 s could
 # turn a hit the test asserts into one
 LOOKUP = {"lookup_timeout_s": 30.0}
+# the same for a pool call: one that times out drops its batch (by design), and two vLLM
+# instances beside the test runner's other worker can starve a pool server past the default 5 s
+POOL_TIMEOUT_S = 30.0
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -115,7 +119,8 @@ def counter(result: dict[str, Any], name: str) -> int:
 
 def shared_extra(pool_dir: str, **more: Any) -> dict[str, Any]:
     """``kv_connector_extra_config`` for a private shared pool in ``pool_dir``."""
-    return {"chunk_blocks": 1, "shared": {"socket": f"{pool_dir}/pool.sock"}, **LOOKUP, **more}
+    shared = {"socket": f"{pool_dir}/pool.sock", "timeout_s": POOL_TIMEOUT_S}
+    return {"chunk_blocks": 1, "shared": shared, **LOOKUP, **more}
 
 
 def objects(pool_dir: str) -> int:

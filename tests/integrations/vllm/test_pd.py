@@ -31,7 +31,7 @@ from tests.support.pd import (
 )
 from tests.support.pools import pool_server, require_mooncake
 from tests.support.serve import Server, kvflow_mooncake_extra, kvflow_transfer_config
-from tests.support.vllm import keep_log
+from tests.support.vllm import LOOKUP, POOL_TIMEOUT_S, keep_log
 
 
 @pytest.fixture
@@ -40,7 +40,10 @@ def shared_pool(tmp_path: Path) -> Iterator[dict[str, Any]]:
     with pool_server(socket, "256MiB") as server:
         yield {
             # no auto-start: a stopped pool stays stopped (and nothing outlives the test)
-            "extra": {"shared": {"socket": socket, "auto_start": False}, "lookup_timeout_s": 30.0},
+            "extra": {
+                "shared": {"socket": socket, "auto_start": False, "timeout_s": POOL_TIMEOUT_S},
+                **LOOKUP,
+            },
             "stop": server.stop,
         }
 

@@ -29,7 +29,7 @@ from tests.support.serve import (
     serve_args,
     stream_completion,
 )
-from tests.support.vllm import keep_log
+from tests.support.vllm import POOL_TIMEOUT_S, keep_log
 
 BLOCK = 32
 ABORTED_MAX = 200  # tokens an aborted request asks for
@@ -54,7 +54,7 @@ def pool(tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def served(vllm_python: str, tiny_model: str, pool: str, tmp_path: Path) -> Iterator[Server]:
-    extra = {"chunk_blocks": 1, "shared": {"socket": pool}}
+    extra = {"chunk_blocks": 1, "shared": {"socket": pool, "timeout_s": POOL_TIMEOUT_S}}
     args = serve_args(
         block_size=BLOCK,
         num_blocks=48,  # device KV: 1536 tokens; the requests below need ~5000

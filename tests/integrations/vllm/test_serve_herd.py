@@ -21,6 +21,7 @@ from tests.support.herd import herd, seed
 from tests.support.pd import running, start
 from tests.support.pools import pool_server
 from tests.support.serve import kvflow_transfer_config, pool_stats
+from tests.support.vllm import POOL_TIMEOUT_S
 
 PREFIX = 768  # 12 chunks; the instances' device KV (64 blocks of 32) holds it and the herd
 SIZE = 8
@@ -35,7 +36,9 @@ def pool(tmp_path: Path) -> Iterator[str]:
 def test_a_herd_on_a_pooled_prefix_loads_it_once(
     vllm_python: str, tiny_model: str, pool: str, tmp_path: Path
 ) -> None:
-    config = kvflow_transfer_config({"shared": {"socket": pool, "auto_start": False}})
+    config = kvflow_transfer_config(
+        {"shared": {"socket": pool, "auto_start": False, "timeout_s": POOL_TIMEOUT_S}}
+    )
     seeder, herder, reference = (
         start(vllm_python, tiny_model, tmp_path, name, max_num_seqs=SIZE, kv_transfer_config=c)
         for name, c in (("seed", config), ("herd", config), ("reference", None))
