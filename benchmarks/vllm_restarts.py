@@ -12,6 +12,8 @@ its own suffix; greedy, float32, ``tests/support/restarts.py``), ``/metrics`` sc
 
 * ``kvflow`` (KVFlowConnector on its defaults, the shared pool it starts itself on a private
   socket): ``kvflow pool stop``, then a SIGKILL of the server a client started since;
+* ``kvflow_disk``: the same, the pool with a disk tier (``DISK_CAPACITY`` in the socket's
+  private folder), so that the server started after each fault serves what the disk holds;
 * ``kvflow_mooncake`` and ``mooncake_store_connector`` (vLLM's own): the ``mooncake_master``
   killed, and started again at its address ``HOLD_S`` later; both times.
 
@@ -54,7 +56,8 @@ from tests.support.serve import (  # noqa: E402
     write_report,
 )
 
-ROWS = ("kvflow", "kvflow_mooncake", "mooncake_store_connector")
+ROWS = ("kvflow", "kvflow_disk", "kvflow_mooncake", "mooncake_store_connector")
+DISK_CAPACITY = "4GiB"
 PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS = 6, 1024, 64
 CONCURRENCY = 4
 MAX_TOKENS = 8
@@ -75,14 +78,15 @@ def start(row: str, model: str, work: Path, stack: contextlib.ExitStack) -> tupl
     env: dict[str, str] = {}
     transfer: dict[str, Any] | None = None
     faults: tuple[Callable[[], object], ...] = ()
-    if row == "kvflow":
+    if row in ("kvflow", "kvflow_disk"):
         directory = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
         socket = f"{directory}/pool.sock"
         env["KVFLOW_POOL_SOCKET"] = socket
         stack.callback(shutil.rmtree, directory, ignore_errors=True)
         stack.callback(kill_pool_server, socket)
         stack.callback(stop_pool, socket)
-        transfer = kvflow_transfer_config({})
+        disk = {"disk_dir": f"{directory}/disk", "disk_capacity": DISK_CAPACITY}
+        transfer = kvflow_transfer_config({"shared": disk} if row == "kvflow_disk" else {})
         faults = (lambda: stop_pool(socket), lambda: kill_pool_server(socket, 60.0))
     elif row in ("kvflow_mooncake", "mooncake_store_connector"):
         master = stack.enter_context(MooncakeMaster(log=str(work / f"{row}-master.log")))

@@ -7,6 +7,8 @@ cache off so that every shared chunk comes from the pool. Two pools:
 * the shared pool the connector starts itself (on a private socket): ``kvflow pool stop`` while
   requests are in flight, then a SIGKILL of the server that runs then; the connector starts a
   new one each time;
+* the same with a disk tier under that pool: the server started after the SIGKILL serves the
+  chunks saved before it from disk (read layer by layer), with the same tokens;
 * Mooncake: the master killed while requests are in flight, then started again at its address.
 
 Checked: no request fails and every answer has the tokens of an instance without a connector;
@@ -74,11 +76,12 @@ def reference(
 @contextlib.contextmanager
 def _pool(kind: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
     """The connector's config, the environment and the two faults for ``kind``."""
-    if kind == "shared":
+    if kind in ("shared", "shared_disk"):
         socket = f"{tmp_path}/pool.sock"
+        disk = {"disk_dir": f"{tmp_path}/disk", "disk_capacity": "1GiB"}
         try:
             yield {
-                "config": kvflow_transfer_config({}),
+                "config": kvflow_transfer_config({"shared": disk} if kind == "shared_disk" else {}),
                 "env": {"KVFLOW_POOL_SOCKET": socket},
                 # the second kills the server a client started after the first
                 "faults": (lambda: stop_pool(socket), lambda: kill_pool_server(socket, 60.0)),
@@ -106,7 +109,7 @@ def _phase(
     return answers, server.metrics().get(key, 0.0) - before
 
 
-@pytest.mark.parametrize("kind", ["shared", "mooncake"])
+@pytest.mark.parametrize("kind", ["shared", "shared_disk", "mooncake"])
 def test_the_pool_restarting_under_load(
     kind: str,
     vllm_python: str,
@@ -146,9 +149,12 @@ def test_the_pool_restarting_under_load(
     assert totals["external_prefix_cache_hits_total"] == (
         totals["kvflow_loaded_tokens_total"] + totals["kvflow_load_failed_tokens_total"]
     ), totals
-    if kind == "shared":
+    if kind != "mooncake":
         assert now not in (0, started)  # a new server took over
         assert (stats["leases"], stats["open_sessions"], stats["pending_writes"]) == (0, 0, 0)
+    if kind == "shared_disk":  # the last server found the chunks saved before its start on disk,
+        assert stats["disk_recovered"] > 0, stats  # and lookups after it hit them there
+        assert stats["disk_hits"] > 0 and stats["disk_reads_served"] > 0, stats
 
 
 def _pid(pool: dict[str, Any]) -> int:
