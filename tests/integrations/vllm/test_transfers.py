@@ -1,11 +1,14 @@
-"""The worker's transfers without vLLM: a dropped transfer is waited for until none of its
-copies runs any more (``close(wait=True)``), and one whose copy outlives the engine's grace
-stops the worker's transfers for good. A copy held at a gate the test opens stands for the
-straggler."""
+"""The worker's transfers without vLLM: a finished save is counted by its chunks' statuses
+(a tail by its own blocks); a dropped transfer is waited for until none of its copies runs any
+more (``close(wait=True)``), and one whose copy outlives the engine's grace stops the worker's
+transfers for good. A copy held at a gate the test opens stands for the straggler."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +18,7 @@ import pytest
 import kvflow
 from kvflow.abc import Direction
 from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.planner import Transfer
 from kvflow.integrations.vllm.transfers import Transfers
 from tests.support.caches import make_caches
 from tests.support.gates import Gate
@@ -113,3 +117,49 @@ def test_an_engine_stopped_for_good_is_still_closed_at_shutdown(
     transfers.close()
     with pytest.raises(kvflow.ClosedError):
         engine.lookup(TOKENS)
+
+
+class _Counts:
+    """What ``Transfers`` needs of vLLM's stats interval (``metrics.StatsInterval``, which
+    imports vLLM): ``update()`` yields an object with the counters in ``data``."""
+
+    def __init__(self) -> None:
+        self.data: collections.Counter[str] = collections.Counter()
+        self.backlogs: list[int] = []
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[_Counts]:
+        yield self
+
+    def record_save_backlog(self, layers: int) -> None:
+        self.backlogs.append(layers)
+
+
+def test_a_finished_save_counts_a_tails_own_tokens_and_whole_chunks_bytes() -> None:
+    """Two requests in one save: one whole chunk, then a chunk and a one-block tail. Saved
+    tokens count the tail's one block (not its padding), saved bytes every chunk's blocks (the
+    padding is copied); the same save again finds every chunk there and counts it skipped."""
+    layout = kvflow.KVLayout.from_tensors(make_caches(3), block_size=BS)
+    group: Any = types.SimpleNamespace(chunk_blocks=2, block_size=BS)
+    counts = _Counts()
+    transfers = Transfers(ConnectorConfig(), group, stats=counts)  # type: ignore[arg-type]
+    transfers.block_bytes = 100  # one block, every layer: any figure counts the same way
+    first, second = np.arange(4 * BS), np.arange(1000, 1000 + 4 * BS)
+    plan = [
+        Transfer("a", (b"a0",), (0, 1), first_chunk=0),
+        Transfer("b", (b"b0", b"b1"), (2, 3, 4, 5), first_chunk=0, tail=1),
+    ]
+    requests = [(first[: 2 * BS], [0, 1]), (second, [2, 3, 4, 5])]
+    config = kvflow.EngineConfig(chunk_blocks=2)
+    with kvflow.SyncTransferEngine(layout, kvflow.LocalStore("8MiB"), config) as engine:
+        for _ in range(2):
+            handle = engine.start_save(requests)
+            for layer in range(3):
+                handle.layer_written(layer)
+            transfers.finish_save(handle, plan)
+    d = counts.data
+    assert d["saves"] == 2 and len(counts.backlogs) == 2
+    assert d["saved_tokens"] == (2 + 2 + 1) * BS  # the tail's padding block is not counted
+    assert d["saved_bytes"] == 3 * 2 * 100  # three chunks of two blocks, padding included
+    assert d["save_skipped_tokens"] == (2 + 2 + 1) * BS  # the second save: all there
+    assert d["save_failed_tokens"] == d["save_failed_chunks"] == 0
