@@ -108,19 +108,23 @@ class Transfers:
             stats.record_save_backlog(backlog)
             if result is None:
                 return
-            tokens = dict.fromkeys(ChunkStatus, 0)
-            for transfer, request in zip(transfers, result.requests, strict=True):
-                for i, status in enumerate(request.chunk_status.tolist()):
-                    tail = transfer.tail and i == len(transfer.hashes) - 1
-                    blocks = transfer.tail if tail else self.group.chunk_blocks
-                    tokens[ChunkStatus(status)] += blocks * self.group.block_size
-            d["saved_tokens"] += tokens[ChunkStatus.OK]
+            statuses = [r.chunk_status for r in result.requests]
+            counts = [len(s) for s in statuses]
+            blocks = np.full(sum(counts), self.group.chunk_blocks)
+            ends = np.cumsum(counts) - 1  # each request's last chunk
+            for t, end, n in zip(transfers, ends, counts, strict=True):
+                if t.tail and n:
+                    blocks[end] = t.tail  # a tail's own blocks, not its padding
+            tokens = self.group.block_size * np.bincount(  # by status
+                np.concatenate(statuses) if statuses else [], blocks, len(ChunkStatus)
+            )
+            d["saved_tokens"] += int(tokens[ChunkStatus.OK])
             d["saved_bytes"] += (
                 result.count(ChunkStatus.OK) * self.group.chunk_blocks * self.block_bytes
             )
             skipped = tokens[ChunkStatus.EXISTS] + tokens[ChunkStatus.NO_SPACE]
-            d["save_skipped_tokens"] += skipped
-            d["save_failed_tokens"] += tokens[ChunkStatus.FAILED]
+            d["save_skipped_tokens"] += int(skipped)
+            d["save_failed_tokens"] += int(tokens[ChunkStatus.FAILED])
             d["save_failed_chunks"] += result.count(ChunkStatus.FAILED)
 
     def load_failures(self, result: TransferResult | None, planned: np.ndarray) -> np.ndarray:
