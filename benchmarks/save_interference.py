@@ -7,12 +7,15 @@ process's set, one torch thread, each step 8 "layers" of small torch ops (a smal
 forward: many ops, Python between them). Per step with saves on, a ``SyncTransferEngine`` saves
 two new 64-token chunks of a ``kv_split`` cache (8 layers, 4 KV heads x 64, float32) as the
 vLLM connector does: ``start_save`` at the step's start, ``layer_written`` after each layer,
-``wait`` at its end, to a ``kvflow serve`` pool this script starts on a private socket, pinned
-with the copy threads and the engine's loop to the second CPU (vLLM's reserved core). Rounds
-of ``--steps`` steps alternate saves off and on (the order swapped every round); per round the
-median step time outside kvflow's calls, and the ratio on/off per round and over all rounds.
-A control runs a busy process on the second CPU instead: the figure the machine's own sharing
-gives. Needs 2 CPUs.
+``wait`` at its end, to a ``kvflow serve`` pool this script starts on a private socket (64 MiB,
+filled during the warm-up, so saves evict as in a long run), pinned with the copy thread and the
+engine's loop to the second CPU (vLLM's reserved core). Three modes per round, their order
+rotated every round: saves off; saves through the copy thread (``inline_saves=False``: the loop
+and the copy thread handle each layer as it comes); inline saves (the default: each layer copied
+in ``layer_written`` on the model thread, the loop woken once after the last). Per round and mode
+the median step time, whole and outside kvflow's calls; ratios over saves off per round, and
+their median. A control runs a busy process on the second CPU instead: the figure the machine's
+own sharing gives. Needs 2 CPUs.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def main() -> int:
     socket = f"{directory}/pool.sock"
     command = [sys.executable, "-m", "kvflow", "serve", "--socket", socket]
     server = subprocess.Popen(
-        [*command, "--capacity", "256MiB", "--cpus", str(spare)],
+        [*command, "--capacity", "64MiB", "--cpus", str(spare)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -75,14 +78,21 @@ def main() -> int:
         os.rmdir(directory)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print(
-        f"model thread's step outside kvflow's calls, median: saves off {result['off_ms']:.2f} ms, "
-        f"on {result['on_ms']:.2f} ms, on/off {result['ratio']:.3f} (per round "
-        f"{', '.join(f'{r:.2f}' for r in result['ratios'])}); in kvflow's calls "
-        f"{result['inside_ms']:.2f} ms a saving step; a busy process on CPU {spare} instead: "
-        f"{result['control_ratio']:.3f}\nJSON: {args.json}"
-    )
+    print("median over rounds of (mode's median step / saves off's), and the ms medians:")
+    for mode in ("thread", "inline"):
+        r = result["modes"][mode]
+        rounds = ", ".join(f"{x:.2f}" for x in r["step_ratios"])
+        print(
+            f"  {mode:6s} whole step {r['step_ratio']:.3f} ({r['step_ms']:.2f} ms against "
+            f"{result['off_ms']:.2f}), outside kvflow's calls {r['outside_ratio']:.3f}, "
+            f"in them {r['inside_ms']:.2f} ms; per round {rounds}"
+        )
+    print(f"a busy process on CPU {spare} instead of saves: {result['control_ratio']:.3f}")
+    print(f"JSON: {args.json}")
     return 0
+
+
+MODES = ("off", "thread", "inline")
 
 
 def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) -> dict:
@@ -91,19 +101,31 @@ def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) ->
     caches = [torch.randn(2, BLOCKS, BLOCK, 4, 64) for _ in range(LAYERS)]
     layout = kvflow.KVLayout.from_kv_split_tensors(caches, block_size=BLOCK)
     store = kvflow.SharedStore(socket=socket)
-    config = kvflow.EngineConfig(model=f"si{os.getpid()}", chunk_blocks=2, copy_cpus=(spare,))
-    engine = kvflow.SyncTransferEngine(layout, store, config)
+    engines = {
+        mode: kvflow.SyncTransferEngine(
+            layout,
+            store,
+            kvflow.EngineConfig(
+                model=f"si{os.getpid()}",
+                chunk_blocks=2,
+                copy_cpus=(spare,),
+                inline_saves=mode == "inline",
+            ),
+        )
+        for mode in MODES[1:]
+    }
     x, w = torch.randn(64, 512), torch.randn(512, 512)
     rng = np.random.default_rng(0)
 
-    def step(save: bool) -> tuple[float, float]:
+    def step(mode: str) -> tuple[float, float]:
+        """The step's time, whole and inside kvflow's calls."""
         inside, begun = 0.0, time.perf_counter()
         handle = None
-        if save:
+        if mode != "off":
             tokens = rng.integers(0, 1 << 30, 128)  # new tokens: two chunks no one stored
             blocks = rng.choice(BLOCKS, 4, replace=False)
             t = time.perf_counter()
-            handle = engine.start_save([(tokens, blocks)])
+            handle = engines[mode].start_save([(tokens, blocks)])
             inside += time.perf_counter() - t
         for i in range(LAYERS):
             layer(x, w)
@@ -115,21 +137,26 @@ def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) ->
             t = time.perf_counter()
             handle.wait()
             inside += time.perf_counter() - t
-        return time.perf_counter() - begun - inside, inside
+        return time.perf_counter() - begun, inside
 
-    def rounds_of(n: int) -> tuple[list[float], list[float], list[float]]:
-        off, on, inside = [], [], []
+    def rounds_of(n: int) -> dict[str, list[tuple[float, float, float]]]:
+        """Per mode, per round: median step, median outside kvflow's calls, median inside."""
+        out: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
         for r in range(n):
-            for save in (False, True) if r % 2 == 0 else (True, False):
-                times = [step(save) for _ in range(steps)]
-                (on if save else off).append(statistics.median(t for t, _ in times))
-                if save:
-                    inside.extend(i for _, i in times)
-        return off, on, inside
+            for mode in MODES[r % 3 :] + MODES[: r % 3]:
+                times = [step(mode) for _ in range(steps)]
+                out[mode].append(
+                    (
+                        statistics.median(t for t, _ in times),
+                        statistics.median(t - i for t, i in times),
+                        statistics.median(i for _, i in times),
+                    )
+                )
+        return out
 
     try:
-        rounds_of(1)  # warm-up
-        off, on, inside = rounds_of(rounds)
+        rounds_of(1)  # warm-up: fills the pool
+        per = rounds_of(rounds)
         busy = subprocess.Popen(
             [
                 sys.executable,
@@ -138,21 +165,33 @@ def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) ->
             ]
         )
         try:
-            base = [statistics.median(step(False)[0] for _ in range(steps)) for _ in range(4)]
+            base = [statistics.median(step("off")[0] for _ in range(steps)) for _ in range(4)]
         finally:
             busy.kill()
             busy.wait()
-        alone = [statistics.median(step(False)[0] for _ in range(steps)) for _ in range(4)]
+        alone = [statistics.median(step("off")[0] for _ in range(steps)) for _ in range(4)]
     finally:
-        engine.close()
+        for engine in engines.values():
+            engine.close()
         store.close()
-    ratios = [b / a for a, b in zip(off, on, strict=True)]
+    off = per["off"]
+    modes = {}
+    for mode in MODES[1:]:
+        rows = per[mode]
+        step_ratios = [m[0] / o[0] for m, o in zip(rows, off, strict=True)]
+        outside_ratios = [m[1] / o[1] for m, o in zip(rows, off, strict=True)]
+        modes[mode] = {
+            "step_ms": 1e3 * statistics.median(m[0] for m in rows),
+            "outside_ms": 1e3 * statistics.median(m[1] for m in rows),
+            "inside_ms": 1e3 * statistics.median(m[2] for m in rows),
+            "step_ratio": statistics.median(step_ratios),
+            "outside_ratio": statistics.median(outside_ratios),
+            "step_ratios": step_ratios,
+            "outside_ratios": outside_ratios,
+        }
     return {
-        "off_ms": 1e3 * statistics.median(off),
-        "on_ms": 1e3 * statistics.median(on),
-        "ratio": statistics.median(on) / statistics.median(off),
-        "ratios": ratios,
-        "inside_ms": 1e3 * statistics.median(inside),
+        "off_ms": 1e3 * statistics.median(o[0] for o in off),
+        "modes": modes,
         "control_ratio": statistics.median(base) / statistics.median(alone),
         "rounds": rounds,
         "steps": steps,

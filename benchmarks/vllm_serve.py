@@ -23,7 +23,8 @@ connector could at best give: every prefix a device hit); ``kvflow_floor`` and
 nothing there: what its lookups and saves cost a prefix cache that hits on its own); and, to
 take that cost apart, ``kvflow_idle_floor`` (the connector and its pool, with ``load`` and
 ``save`` off), ``kvflow_lookups_floor`` (``save`` off) and ``kvflow_saves_floor`` (``load``
-off); ``kvflow_no_tails`` and ``kvflow_mooncake_no_tails``, those rows with ``tail_chunks``
+off), and ``kvflow_thread_saves_floor`` (``inline_saves`` off: every layer's save through the
+copy thread); ``kvflow_no_tails`` and ``kvflow_mooncake_no_tails``, those rows with ``tail_chunks``
 off (a hit ends at a whole chunk), and ``kvflow_no_tails_floor``, the ``kvflow_floor`` row
 with it off.
 
@@ -96,7 +97,7 @@ ON_REQUEST = (
     "kvflow_small_pool_disk",
     "kvflow_floor",
     "mooncake_store_connector_floor",
-    *(f"kvflow_{part}_floor" for part in ("idle", "lookups", "saves")),
+    *(f"kvflow_{part}_floor" for part in ("idle", "lookups", "saves", "thread_saves")),
     "kvflow_no_tails",
     "kvflow_mooncake_no_tails",
     "kvflow_no_tails_floor",
@@ -106,6 +107,7 @@ PARTS: dict[str, dict[str, bool]] = {
     "idle": {"load": False, "save": False},
     "lookups": {"save": False},
     "saves": {"load": False},
+    "thread_saves": {"inline_saves": False},  # not a part: the saves' other way
 }
 CHUNK_ROW = re.compile(r"kvflow_chunk([1-9][0-9]*)")  # kvflow with chunks of that many tokens
 WORKLOADS = ("bench", "chat")

@@ -14,6 +14,7 @@ from kvflow.fields import (
     Config,
     count,
     cpus,
+    flag,
     from_dict,
     parse_size,
     seconds,
@@ -69,6 +70,12 @@ class EngineConfig(Config):
         max_transfer_bytes: coalesced ranges above this are split (accepts "64MiB").
         copy_timeout_s: one layer's copy may take this long before its chunks are failed.
         op_timeout_s: a store metadata call, or a whole-request wait, may take this long.
+        inline_saves: with ``SyncTransferEngine`` on host memory and a store that saves into
+            memory mapped here (``Store.saves_in_memory``), ``layer_written`` copies the layer
+            on the caller's thread, and the layers reach the engine's loop together after the
+            last one: a copy thread and the loop running Python beside the caller's forward
+            take the GIL from it at every torch op (``benchmarks/save_interference.py``).
+            False: every layer goes to the copy thread.
     """
 
     model: str = text(default="default", empty=False)
@@ -81,6 +88,7 @@ class EngineConfig(Config):
     max_transfer_bytes: int | str = size(default=DEFAULT_MAX_TRANSFER_BYTES, low=1)
     copy_timeout_s: float = seconds(default=DEFAULT_COPY_TIMEOUT_S)
     op_timeout_s: float = seconds(default=DEFAULT_OP_TIMEOUT_S)
+    inline_saves: bool = flag(default=True)
 
     @property
     def transfer_limit(self) -> int:

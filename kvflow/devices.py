@@ -51,6 +51,7 @@ class DeviceOps(ABC):
     """How readiness is signalled on one kind of device. Methods may be called from any thread."""
 
     name: str
+    synchronous: bool = False  # see CpuDevice
 
     @abstractmethod
     def layer_written(self, layer: int) -> Any:
@@ -91,9 +92,11 @@ class DeviceOps(ABC):
 
 
 class CpuDevice(DeviceOps):
-    """Host memory: bytes are ready when the caller says so, copies are synchronous memmoves."""
+    """Host memory: bytes are ready when the caller says so, copies are synchronous memmoves
+    (``synchronous``: a save can copy a layer on the producer's thread)."""
 
     name = "cpu"
+    synchronous = True
 
     def layer_written(self, layer: int) -> None:
         return None

@@ -18,6 +18,7 @@ whether it came.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from kvflow import trace
 from kvflow._validate import check_timeout
 from kvflow.errors import ClosedError, InvalidArgumentError, TransferTimeoutError
 from kvflow.pipeline.runtime import Runtime
+from kvflow.pipeline.stages import Copied
 from kvflow.pipeline.transfer import BatchTransfer
 from kvflow.pipeline.waits import acquire_within, event_within, get_within
 from kvflow.results import TransferResult
@@ -182,6 +184,9 @@ class SaveHandle(BatchTransfer):
         self._copied = 0
         self._backlog = _Backlog(runtime.config.save_backlog)
         self._claims = threading.Lock()  # _seen is claimed from producer threads too
+        self._here: list[concurrent.futures.Future[None]] = []  # copies on a producer's thread
+        self._copied_here: list[tuple[int, Copied]] = []  # not yet handed to the driver
+        self._handed_at = time.monotonic()
         super().__init__(runtime, *args)
 
     def _window(self) -> int:
@@ -247,6 +252,52 @@ class SaveHandle(BatchTransfer):
         no driver any more: the layer is dropped)."""
         if not self._closed:
             self._written.put_nowait((layer, token))
+
+    def _copy_written(self, layer: int, token: Any) -> None:
+        """On the producer's thread, for a claimed layer (``EngineConfig.inline_saves``): copy
+        it now. The copied layers go to the driver in one loop hop, after the last one (or
+        once ``op_timeout_s / 2`` has passed since the last hop, so a long forward does not
+        look silent): a loop and a copy thread waking at every layer take the GIL from the
+        producer's forward at every one of its ops. While the copy runs it is in
+        ``_submitted``, and in ``_futures`` once the batch settles (``_mark_settled``), so the batch
+        keeps its slots until it returns."""
+        running: concurrent.futures.Future[None] = concurrent.futures.Future()
+        running.set_running_or_notify_cancel()
+        with self._claims:
+            if self._closed or self._settled:
+                raise ClosedError("SaveHandle")
+            self._here.append(running)
+            self._submitted.append(running)
+        try:
+            copied = Copied(self._ranges(layer))
+            if copied.ranges is not None and len(copied.ranges):
+                try:
+                    copied = Copied(copied.ranges, self._copy(layer, copied.ranges, token))
+                except Exception as exc:  # a store failure is data: settled as a copy thread's
+                    copied = Copied(copied.ranges, error=exc)
+        finally:
+            running.set_result(None)
+        now = time.monotonic()
+        with self._claims:
+            self._copied_here.append((layer, copied))
+            if len(self._here) < self.num_layers and (
+                now - self._handed_at < self._runtime.config.op_timeout_s / 2
+            ):
+                return
+            if not all(f.done() for f in self._here):
+                return  # the last one to end hands over
+            layers, self._copied_here, self._handed_at = self._copied_here, [], now
+        self._loop.call_soon_threadsafe(self._queue_copied, layers)
+
+    def _queue_copied(self, layers: list[tuple[int, Copied]]) -> None:
+        for layer, copied in layers:
+            self._queue_layer(layer, copied)
+
+    def _mark_settled(self) -> None:
+        with self._claims:  # a producer's copy starts before this, or not at all
+            super()._mark_settled()
+            running = [f for f in self._here if not f.done()]
+        self._futures.extend(asyncio.wrap_future(f) for f in running)
 
     def _handed_over(self) -> bool:
         return len(self._seen) == self.num_layers

@@ -13,7 +13,8 @@ result, stragglers, closing).
 Concurrency: both tasks run on the engine's loop; ``_copy`` runs on a copy thread, where it
 writes only its own layer's ``loaded_tokens`` entry and sets its ``layer_events`` entry (a
 ``threading.Event``, for waiters on other threads), and reaches the loop's event through
-``call_soon_threadsafe``.
+``call_soon_threadsafe``. A save's layer may instead come to the driver ``Copied`` already, on
+its producer's thread (``EngineConfig.inline_saves``): the driver then submits nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,9 +37,30 @@ from kvflow.pipeline.waits import future_within
 from kvflow.results import ChunkStatus
 from kvflow.stores.base import Direction, ReadSession, WriteSession
 
-__all__ = ["BatchStages"]
+__all__ = ["BatchStages", "Copied"]
 
 log = logging.getLogger("kvflow")
+
+
+@dataclass(frozen=True)
+class Copied:
+    """A save's layer copied on its producer's thread: the ranges the driver would have
+    submitted, and how the copy ended (``_copy``'s failed range indices, or what it raised)."""
+
+    ranges: LayerRanges | None
+    failed: np.ndarray | None = None
+    error: Exception | None = None
+
+    def future(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any] | None:
+        """The copy as the completer settles it (None: nothing was copied)."""
+        if self.ranges is None or not len(self.ranges):
+            return None
+        future = loop.create_future()
+        if self.error is not None:
+            future.set_exception(self.error)
+        else:
+            future.set_result(self.failed)
+        return future
 
 
 class BatchStages:
@@ -113,13 +136,10 @@ class BatchStages:
         try:
             for _ in range(rt.layout.num_layers):
                 layer, token = await self._next_layer()
-                ranges = self._ranges(layer)
-                future = None
-                if ranges is not None and len(ranges):
-                    copy = rt.copier.submit(self._copy, layer, ranges, token)
-                    self._submitted.append(copy)
-                    future = asyncio.wrap_future(copy)
-                    self._futures.append(future)
+                if isinstance(token, Copied):  # on the producer's thread, already
+                    ranges, future = token.ranges, token.future(self._loop)
+                else:
+                    ranges, future = self._submit(layer, token)
                 sent.add(layer)
                 await self._queue.put((layer, ranges, future))
         except Exception as exc:  # the batch fails; the completer must still finish
@@ -129,6 +149,19 @@ class BatchStages:
             for layer in range(rt.layout.num_layers):
                 if layer not in sent:
                     await self._queue.put((layer, None, None))
+
+    def _submit(
+        self, layer: int, token: Any
+    ) -> tuple[LayerRanges | None, asyncio.Future[Any] | None]:
+        """Hand the layer's copy to a copy thread (None: nothing to copy)."""
+        ranges = self._ranges(layer)
+        if ranges is None or not len(ranges):
+            return ranges, None
+        copy = self._runtime.copier.submit(self._copy, layer, ranges, token)
+        self._submitted.append(copy)
+        future = asyncio.wrap_future(copy)
+        self._futures.append(future)
+        return ranges, future
 
     def _ranges(self, layer: int) -> LayerRanges | None:
         if self._addresses is None:

@@ -60,6 +60,9 @@ class SyncTransferEngine:
         self.engine = TransferEngine(layout, store, config, keyspace=keyspace, device=device)
         config = self.engine.config
         self._timeout = config.op_timeout_s
+        self._inline_saves = (  # EngineConfig.inline_saves
+            config.inline_saves and self.engine.device.synchronous and store.saves_in_memory
+        )
         self._closed = False
         self._close_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -376,17 +379,22 @@ class SyncSaveHandle(_Opening[SaveHandle]):
     def layer_written(self, layer: int, timeout: float | None = None) -> None:
         """Layer ``layer`` is written; returns at once while the save backlog has room (the
         layer is handed to the loop without waiting), blocks (at most ``timeout``) when full.
-        The first call also waits for the store session to open."""
+        The first call also waits for the store session to open. With inline saves
+        (``EngineConfig.inline_saves``) it copies the layer before it returns instead."""
         timeout = check_timeout(timeout)
         if trace.ENABLED:
             begun = trace.now()
         h = self._opened(timeout)
         layer, limit = h._claim(layer, timeout)
         token = self._owner.engine.device.layer_written(layer)  # the caller's thread, stream
-        if not h._backlog.take_blocking(limit):
+        inline = self._owner._inline_saves
+        if inline:
+            h._copy_written(layer, token)
+        elif not h._backlog.take_blocking(limit):
             h._unclaim(layer, limit)
         if trace.ENABLED:
             trace.complete("layer_written", begun, "wait", layer=layer)
         if h._closed:
             raise ClosedError("SaveHandle")
-        self._owner._loop.call_soon_threadsafe(h._queue_layer, layer, token)
+        if not inline:
+            self._owner._loop.call_soon_threadsafe(h._queue_layer, layer, token)

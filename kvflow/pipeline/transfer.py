@@ -74,6 +74,11 @@ class BatchTransfer(BatchStages):
         caller."""
         raise NotImplementedError
 
+    def _mark_settled(self) -> None:
+        """From here the chunk statuses are final and no copy starts (SaveHandle: on the
+        producer's thread either); copies still running are in ``_futures``."""
+        self._settled = True
+
     # -- the end of the batch -----------------------------------------------------------------
 
     async def _release(self) -> None:
@@ -112,7 +117,7 @@ class BatchTransfer(BatchStages):
         """
         if self._settled:
             return
-        self._settled = True
+        self._mark_settled()
         unsettled = [f for f in self._futures if not f.done() and f not in self._timed_out]
         if unsettled:  # a closed batch's copies in flight: they normally end in microseconds
             await asyncio.wait(unsettled, timeout=self._runtime.config.copy_timeout_s)

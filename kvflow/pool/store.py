@@ -76,6 +76,7 @@ class SharedStore(Store):
 
     inline_metadata = False
     device_memory = frozenset({"cpu", "cuda"})
+    saves_in_memory = True  # into the mapped arena; only loads may read the disk tier
 
     def __init__(self, config: SharedStoreConfig | None = None, **options: Any) -> None:
         if config is not None and options:

@@ -147,10 +147,16 @@ class Store(ABC):
     ``copy_ranges`` call goes to the copy thread's mover (``kvflow.devices.CudaDevice``), so
     such a store copies through ``copy_ranges`` once per ``batch_copy``. The engine refuses KV
     caches on a device its store cannot copy.
+
+    ``saves_in_memory`` is True for stores whose ``batch_copy`` to the pool is a memmove into
+    pool memory mapped in this process: it waits on no socket, disk or other process, so it
+    takes as long as the bytes do and can run on the caller's thread (the sync engine's
+    ``inline_saves``).
     """
 
     inline_metadata: bool = False
     device_memory: frozenset[str] = frozenset({"cpu"})  # see the class docstring
+    saves_in_memory: bool = False
 
     @abstractmethod
     def register(self, regions: Sequence[tuple[int, int]]) -> None:

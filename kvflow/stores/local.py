@@ -63,6 +63,7 @@ class LocalStore(Store):
 
     inline_metadata = True
     device_memory = frozenset({"cpu", "cuda"})
+    saves_in_memory = True
 
     def __init__(
         self,

@@ -24,13 +24,14 @@ __all__ = ["StoreWrapper"]
 
 
 class StoreWrapper(Store):
-    """Forwards every Store call to ``inner``; ``inline_metadata`` and ``device_memory`` are
-    ``inner``'s."""
+    """Forwards every Store call to ``inner``; ``inline_metadata``, ``device_memory`` and
+    ``saves_in_memory`` are ``inner``'s."""
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.inline_metadata = inner.inline_metadata
         self.device_memory = inner.device_memory
+        self.saves_in_memory = inner.saves_in_memory
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         self.inner.register(regions)

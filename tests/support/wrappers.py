@@ -16,10 +16,14 @@ from kvflow.testing import InstrumentedStore
 
 class WrappedStore(InstrumentedStore):
     """``before_copy(direction, pool, local, sizes)`` runs on the copy thread before each copy;
-    returning an array of range indices reports those ranges failed instead of copying."""
+    returning an array of range indices reports those ranges failed instead of copying.
 
-    def __init__(self, inner: Store) -> None:
+    The hook may stall, so saves are not copied on the producer's thread
+    (``saves_in_memory`` False, whatever ``inner``'s) unless ``inline`` says so."""
+
+    def __init__(self, inner: Store, *, inline: bool = False) -> None:
         super().__init__(inner, record_copies=True)
+        self.saves_in_memory = inline and inner.saves_in_memory
         self.before_copy: Callable[[Direction, np.ndarray, np.ndarray, np.ndarray], Any] = (
             lambda *a: None
         )

@@ -1,0 +1,227 @@
+"""Inline saves (``EngineConfig.inline_saves``): a ``SyncTransferEngine`` on host memory, with a
+store that saves into memory mapped in this process, copies each written layer in
+``layer_written`` on the caller's thread and hands the layers to its loop together. The same
+results as copies on the copy thread: failed copies fail their chunks, nothing half-written is
+visible, a batch that ends while such a copy runs keeps its slots until it returns, and a long
+forward does not look silent to the batch's driver."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import kvflow
+import kvflow.pipeline.handles as handles
+from kvflow.abc import Direction
+from kvflow.errors import StoreError
+from kvflow.results import ChunkStatus
+from tests.pipeline.test_cancellation import HOLD_S, sync_released
+from tests.support.caches import make_caches
+from tests.support.pools import ARENA_STORE_NAMES, dispose, make_store
+from tests.support.wrappers import WrappedStore
+
+BS = 16
+CHUNK = 2
+LAYERS = 4
+
+Parts = tuple[list[torch.Tensor], kvflow.KVLayout, WrappedStore]
+
+
+@pytest.fixture(params=ARENA_STORE_NAMES)
+def parts(request: pytest.FixtureRequest) -> Iterator[Parts]:
+    caches = make_caches(LAYERS)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
+    store = WrappedStore(make_store(request.param, "16MiB"), inline=True)
+    yield caches, layout, store
+    dispose(store)
+
+
+def tokens_for(chunks: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30_000, chunks * CHUNK * BS)
+
+
+class Threads:
+    """Records the thread of every save's copy; ``fail``: per save copy (from 0), the range
+    indices to report failed, or an exception to raise."""
+
+    def __init__(self, store: WrappedStore, fail: dict[int, Any] | None = None) -> None:
+        self.seen: list[int] = []
+        self.fail = fail or {}
+        store.before_copy = self
+
+    def __call__(self, direction: Direction, *args: Any) -> Any:
+        if direction != Direction.TO_POOL:
+            return None
+        nth = len(self.seen)
+        self.seen.append(threading.get_ident())
+        outcome = self.fail.get(nth)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+def engine(layout: kvflow.KVLayout, store: WrappedStore, **cfg: Any) -> kvflow.SyncTransferEngine:
+    return kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK, **cfg))
+
+
+def loads_back(e: kvflow.SyncTransferEngine, caches: list[torch.Tensor], tokens: Any) -> None:
+    for c in caches:
+        c[10:14].zero_()
+    assert e.load(tokens, np.arange(10, 14)).ok
+    for c in caches:
+        assert torch.equal(c[10:14].view(torch.uint8), c[0:4].view(torch.uint8))
+
+
+def test_each_layer_is_copied_before_layer_written_returns_on_the_callers_thread(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, layout, store = parts
+    hops: list[int] = []
+    queue_copied = handles.SaveHandle._queue_copied
+
+    def counted(self: handles.SaveHandle, layers: Any) -> None:
+        hops.append(len(layers))
+        queue_copied(self, layers)
+
+    monkeypatch.setattr(handles.SaveHandle, "_queue_copied", counted)
+    threads = Threads(store)
+    tokens = tokens_for(2)
+    with engine(layout, store) as e:
+        with e.start_save([(tokens, np.arange(4))]) as save:
+            for layer in range(LAYERS):
+                save.layer_written(layer)
+                assert len(threads.seen) == layer + 1  # copied already
+            result = save.wait()
+        assert result.ok and result.count(ChunkStatus.OK) == 2
+        assert threads.seen == [threading.get_ident()] * LAYERS
+        assert hops == [LAYERS]  # one hop to the loop, after the last layer
+        loads_back(e, caches, tokens)
+        sync_released(e, store)
+
+
+@pytest.mark.parametrize("why", ["off", "store"])
+def test_saves_go_to_the_copy_thread_when_off_or_when_the_store_may_wait(
+    parts: Parts, why: str
+) -> None:
+    caches, layout, store = parts
+    if why == "store":
+        store.saves_in_memory = False  # as a store whose copy crosses a socket
+    threads = Threads(store)
+    tokens = tokens_for(2)
+    with engine(layout, store, inline_saves=why != "off") as e:
+        assert e.save(tokens, np.arange(4)).ok
+        assert len(threads.seen) == LAYERS
+        assert threading.get_ident() not in threads.seen
+        loads_back(e, caches, tokens)
+
+
+def test_a_failed_inline_copy_fails_its_own_chunk_only(parts: Parts) -> None:
+    caches, layout, store = parts
+    Threads(store, fail={1: [0]})  # layer 1's first range: the first chunk's
+    tokens = tokens_for(2)
+    with engine(layout, store) as e:
+        result = e.save(tokens, np.arange(4))
+        assert result.requests[0].chunk_status.tolist() == [ChunkStatus.FAILED, ChunkStatus.OK]
+        assert e.lookup(tokens) == 0  # a prefix's first chunk lost: nothing of it hits
+        assert e.engine.stats().failed_chunks == 1
+        sync_released(e, store)
+
+
+def test_an_inline_copy_that_raises_fails_the_layers_chunks_and_the_caller_goes_on(
+    parts: Parts,
+) -> None:
+    caches, layout, store = parts
+    Threads(store, fail={2: StoreError("the copy could not start")})
+    tokens = tokens_for(2)
+    with engine(layout, store) as e:
+        with e.start_save([(tokens, np.arange(4))]) as save:
+            for layer in range(LAYERS):
+                save.layer_written(layer)  # a store failure is data: not raised here
+            result = save.wait()
+        assert result.count(ChunkStatus.FAILED) == 2 and e.lookup(tokens) == 0
+        store.before_copy = lambda *a: None
+        assert e.save(tokens, np.arange(4)).ok  # nothing of the failed batch is left over
+        loads_back(e, caches, tokens)
+        sync_released(e, store)
+
+
+def test_a_batch_closed_while_its_inline_copy_runs_keeps_its_slots_until_the_copy_returns(
+    parts: Parts,
+) -> None:
+    """The copy is the producer's, on its thread: the batch closed from another thread must
+    not give the pool back the slots that copy still writes into."""
+    caches, layout, store = parts
+    held, gate = threading.Event(), threading.Event()
+
+    def stall(direction: Direction, *args: Any) -> None:
+        if direction == Direction.TO_POOL:
+            held.set()
+            gate.wait(HOLD_S)
+
+    tokens = tokens_for(2)
+    errors: list[BaseException] = []
+    with engine(layout, store, copy_timeout_s=1.0) as e:  # a straggler's grace: 10 s
+        save = e.start_save([(tokens, np.arange(4))])
+        store.before_copy = stall
+
+        def producer() -> None:
+            try:
+                save.layer_written(0)
+            except kvflow.KVFlowError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=producer)
+        thread.start()
+        try:
+            assert held.wait(HOLD_S)
+            assert save.close() is False  # stopped; it waited the copy's timeout, in vain
+            assert store.usage().pending_writes == 2  # the slots stay while the copy runs
+            assert not save.done()
+        finally:
+            gate.set()
+            thread.join(HOLD_S)
+        assert not thread.is_alive() and len(errors) == 1
+        assert isinstance(errors[0], kvflow.ClosedError)
+        sync_released(e, store)  # given back once the copy returned
+        store.before_copy = lambda *a: None
+        assert e.lookup(tokens) == 0  # nothing half-written became visible
+        assert e.save(tokens, np.arange(4)).ok
+
+
+def test_a_forward_longer_than_half_the_timeout_hands_its_layers_over_before_the_end(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver waits at most ``op_timeout_s`` for the next layer: copied layers go to it
+    once half of that has passed since the last hand-over, not only after the last layer."""
+    caches, layout, store = parts
+    now = [1000.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return now[0]
+
+    hops: list[int] = []
+    queue_copied = handles.SaveHandle._queue_copied
+
+    def counted(self: handles.SaveHandle, layers: Any) -> None:
+        hops.append(len(layers))
+        queue_copied(self, layers)
+
+    monkeypatch.setattr(handles.SaveHandle, "_queue_copied", counted)
+    monkeypatch.setattr(handles, "time", Clock)  # the hand-over's clock only
+    tokens = tokens_for(2)
+    with engine(layout, store, op_timeout_s=60) as e:
+        with e.start_save([(tokens, np.arange(4))]) as save:
+            save.layer_written(0)
+            now[0] += 31  # past half the timeout since the batch opened
+            for layer in range(1, LAYERS):
+                save.layer_written(layer)
+            assert save.wait().ok
+        assert hops == [2, 2]  # layers 0-1 once 31 s had passed, the rest after the last
+        loads_back(e, caches, tokens)
