@@ -188,6 +188,8 @@ class SaveHandle(BatchTransfer):
         self._copied_here: list[tuple[int, Copied]] = []  # not yet handed to the driver
         self._handed_at = time.monotonic()
         super().__init__(runtime, *args)
+        if self._addresses is not None:  # not per layer, where it may be in a forward
+            self._built = [self._addresses.layer(i) for i in range(self.num_layers)]
 
     def _window(self) -> int:
         return self._runtime.config.save_backlog

@@ -97,6 +97,7 @@ class BatchStages:
             if session is not None and active.size
             else None
         )
+        self._built: list[LayerRanges] | None = None  # every layer's, where built at once
         n = runtime.layout.num_layers
         self._events = [asyncio.Event() for _ in range(n)]
         self.layer_events = [threading.Event() for _ in range(n)]
@@ -166,7 +167,8 @@ class BatchStages:
     def _ranges(self, layer: int) -> LayerRanges | None:
         if self._addresses is None:
             return None
-        ranges = self._addresses.layer(layer)
+        built = self._built
+        ranges = built[layer] if built is not None else self._addresses.layer(layer)
         if self._failed.any():  # a failed chunk is not copied again
             keep = ~self._failed[ranges.chunk]
             ranges = LayerRanges(
@@ -234,6 +236,10 @@ class BatchStages:
         stats = self._runtime.stats
         timeout = self._runtime.config.copy_timeout_s
         failed_chunks: np.ndarray
+        done = future.done() and not future.cancelled() and future.exception() is None
+        if done and not len(future.result()):  # the common case: no wait, no lookup
+            self._count_copy(ranges, ranges.nbytes)
+            return
         carried = np.unique(ranges.chunk)
         try:
             if not future.done() and self._failed[carried].all():
@@ -255,10 +261,13 @@ class BatchStages:
             self.last_error = exc
             failed_chunks = carried
         self._failed[failed_chunks] = True
+        ok = ~np.isin(ranges.chunk, failed_chunks) if failed_chunks.size else None
+        self._count_copy(ranges, ranges.nbytes if ok is None else int(ranges.sizes[ok].sum()))
+
+    def _count_copy(self, ranges: LayerRanges, moved: int) -> None:
+        stats = self._runtime.stats
         stats.copy_calls += 1
         stats.copy_ranges += len(ranges)
-        ok = ~np.isin(ranges.chunk, failed_chunks) if failed_chunks.size else None
-        moved = ranges.nbytes if ok is None else int(ranges.sizes[ok].sum())
         if self.direction == Direction.TO_POOL:
             stats.bytes_saved += moved
         else:
