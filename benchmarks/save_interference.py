@@ -13,9 +13,9 @@ engine's loop to the second CPU (vLLM's reserved core). Three modes per round, t
 rotated every round: saves off; saves through the copy thread (``inline_saves=False``: the loop
 and the copy thread handle each layer as it comes); inline saves (the default: each layer copied
 in ``layer_written`` on the model thread, the loop woken once after the last). Per round and mode
-the median step time, whole and outside kvflow's calls; ratios over saves off per round, and
-their median. A control runs a busy process on the second CPU instead: the figure the machine's
-own sharing gives. Needs 2 CPUs.
+the median step time, whole and outside kvflow's calls, and the model thread's voluntary context
+switches per step; ratios over saves off per round, and their median. A control runs a busy
+process on the second CPU instead: the figure the machine's own sharing gives. Needs 2 CPUs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -85,7 +86,9 @@ def main() -> int:
         print(
             f"  {mode:6s} whole step {r['step_ratio']:.3f} ({r['step_ms']:.2f} ms against "
             f"{result['off_ms']:.2f}), outside kvflow's calls {r['outside_ratio']:.3f}, "
-            f"in them {r['inside_ms']:.2f} ms; per round {rounds}"
+            f"in them {r['inside_ms']:.2f} ms, {r['switches_per_step']:.1f} sleeps of the "
+            f"model thread a step ({result['off_switches_per_step']:.1f} with saves off); "
+            f"per round {rounds}"
         )
     print(f"a busy process on CPU {spare} instead of saves: {result['control_ratio']:.3f}")
     print(f"JSON: {args.json}")
@@ -139,17 +142,22 @@ def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) ->
             inside += time.perf_counter() - t
         return time.perf_counter() - begun, inside
 
-    def rounds_of(n: int) -> dict[str, list[tuple[float, float, float]]]:
-        """Per mode, per round: median step, median outside kvflow's calls, median inside."""
-        out: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
+    def rounds_of(n: int) -> dict[str, list[tuple[float, float, float, float]]]:
+        """Per mode, per round: median step, median outside kvflow's calls, median inside, and
+        the model thread's voluntary context switches per step (each a sleep: on the GIL, or
+        in a wait of kvflow's)."""
+        out: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in MODES}
         for r in range(n):
             for mode in MODES[r % 3 :] + MODES[: r % 3]:
+                switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
                 times = [step(mode) for _ in range(steps)]
+                switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - switches
                 out[mode].append(
                     (
                         statistics.median(t for t, _ in times),
                         statistics.median(t - i for t, i in times),
                         statistics.median(i for _, i in times),
+                        switches / steps,
                     )
                 )
         return out
@@ -186,11 +194,13 @@ def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) ->
             "inside_ms": 1e3 * statistics.median(m[2] for m in rows),
             "step_ratio": statistics.median(step_ratios),
             "outside_ratio": statistics.median(outside_ratios),
+            "switches_per_step": statistics.median(m[3] for m in rows),
             "step_ratios": step_ratios,
             "outside_ratios": outside_ratios,
         }
     return {
         "off_ms": 1e3 * statistics.median(o[0] for o in off),
+        "off_switches_per_step": statistics.median(o[3] for o in off),
         "modes": modes,
         "control_ratio": statistics.median(base) / statistics.median(alone),
         "rounds": rounds,

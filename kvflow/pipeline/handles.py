@@ -184,7 +184,9 @@ class SaveHandle(BatchTransfer):
         self._copied = 0
         self._backlog = _Backlog(runtime.config.save_backlog)
         self._claims = threading.Lock()  # _seen is claimed from producer threads too
-        self._here: list[concurrent.futures.Future[None]] = []  # copies on a producer's thread
+        self._started_here = 0  # copies begun on a producer's thread (under _claims)
+        self._running_here = 0  # of those, not yet returned
+        self._here_done: concurrent.futures.Future[None] | None = None  # see _mark_settled
         self._copied_here: list[tuple[int, Copied]] = []  # not yet handed to the driver
         self._handed_at = time.monotonic()
         super().__init__(runtime, *args)
@@ -260,16 +262,14 @@ class SaveHandle(BatchTransfer):
         it now. The copied layers go to the driver in one loop hop, after the last one (or
         once ``op_timeout_s / 2`` has passed since the last hop, so a long forward does not
         look silent): a loop and a copy thread waking at every layer take the GIL from the
-        producer's forward at every one of its ops. While the copy runs it is in
-        ``_submitted``, and in ``_futures`` once the batch settles (``_mark_settled``), so the batch
-        keeps its slots until it returns."""
-        running: concurrent.futures.Future[None] = concurrent.futures.Future()
-        running.set_running_or_notify_cancel()
+        producer's forward at every one of its ops. A batch that settles while such a copy
+        runs waits for it as for a copy thread's (``_mark_settled``): it keeps its slots
+        until the copy returns."""
         with self._claims:
             if self._closed or self._settled:
                 raise ClosedError("SaveHandle")
-            self._here.append(running)
-            self._submitted.append(running)
+            self._started_here += 1
+            self._running_here += 1
         try:
             copied = Copied(self._ranges(layer))
             if copied.ranges is not None and len(copied.ranges):
@@ -278,16 +278,19 @@ class SaveHandle(BatchTransfer):
                 except Exception as exc:  # a store failure is data: settled as a copy thread's
                     copied = Copied(copied.ranges, error=exc)
         finally:
-            running.set_result(None)
+            with self._claims:
+                self._running_here -= 1
+                ended = self._here_done if self._running_here == 0 else None
+            if ended is not None:
+                ended.set_result(None)
         now = time.monotonic()
         with self._claims:
             self._copied_here.append((layer, copied))
-            if len(self._here) < self.num_layers and (
-                now - self._handed_at < self._runtime.config.op_timeout_s / 2
+            if self._running_here or (
+                self._started_here < self.num_layers
+                and now - self._handed_at < self._runtime.config.op_timeout_s / 2
             ):
-                return
-            if not all(f.done() for f in self._here):
-                return  # the last one to end hands over
+                return  # the last copy to end hands over
             layers, self._copied_here, self._handed_at = self._copied_here, [], now
         self._loop.call_soon_threadsafe(self._queue_copied, layers)
 
@@ -296,10 +299,17 @@ class SaveHandle(BatchTransfer):
             self._queue_layer(layer, copied)
 
     def _mark_settled(self) -> None:
-        with self._claims:  # a producer's copy starts before this, or not at all
+        """No copy starts on a producer's thread from here; those still running are waited
+        for as the copy threads' are (in ``_futures``, and ``_submitted`` for ``_ended``)."""
+        with self._claims:
             super()._mark_settled()
-            running = [f for f in self._here if not f.done()]
-        self._futures.extend(asyncio.wrap_future(f) for f in running)
+            if self._running_here:
+                self._here_done = concurrent.futures.Future()
+                self._here_done.set_running_or_notify_cancel()
+                self._submitted.append(self._here_done)
+            running = self._here_done
+        if running is not None:
+            self._futures.append(asyncio.wrap_future(running))
 
     def _handed_over(self) -> bool:
         return len(self._seen) == self.num_layers

@@ -43,6 +43,7 @@ class Recorder(Store):
 
     inline_metadata = True
     device_memory = frozenset({"cpu", "npu"})
+    saves_in_memory = True
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
@@ -155,6 +156,7 @@ def test_a_wrapper_forwards_every_call_unchanged(wrapper: str, call: str) -> Non
     inner = Recorder()
     store = WRAPPERS[wrapper](inner)
     assert (store.inline_metadata, store.device_memory) == (True, frozenset({"cpu", "npu"}))
+    assert store.saves_in_memory is True
     args = _arguments(call)
     answer = getattr(store, call)(*args)
     if call in KEPT_BACK.get(wrapper, set()):

@@ -61,6 +61,7 @@ def test_defaults(extra: dict[str, Any] | None) -> None:
     assert config.local_capacity == 4 << 30
     assert config.copy_cpus == "auto"
     assert config.lookup_timeout_s == 2.0
+    assert config.inline_saves is True
     assert config.model == ""
     assert config.debug_corrupt_loads is False
     assert config.shared_config().auto_start is True
@@ -91,6 +92,7 @@ def test_every_key_is_accepted() -> None:
         "copy_cpus": [some_cpu()],
         "op_timeout_s": 7.5,
         "copy_timeout_s": 3,
+        "inline_saves": False,
         "lookup_timeout_s": 0.25,
         "model": "tiny",
         "debug_corrupt_loads": True,
@@ -301,6 +303,7 @@ def test_engine_config_carries_the_engine_fields() -> None:
             "copy_cpus": [cpu],
             "op_timeout_s": 12.5,
             "copy_timeout_s": 4.0,
+            "inline_saves": False,
         }
     )
 
@@ -316,6 +319,8 @@ def test_engine_config_carries_the_engine_fields() -> None:
     assert engine.copy_cpus == (cpu,)
     assert engine.op_timeout_s == 12.5
     assert engine.copy_timeout_s == 4.0
+    assert engine.inline_saves is False
+    assert ConnectorConfig().engine_config(block_size=32, model="m").inline_saves is True
 
 
 def test_engine_config_model_key_overrides_the_served_name() -> None:
