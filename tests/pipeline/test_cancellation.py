@@ -18,9 +18,8 @@ import torch
 
 import kvflow
 from kvflow.abc import Direction, StoreUsage
-from tests.support.caches import make_caches
-from tests.support.pools import ARENA_STORE_NAMES, dispose, make_store
-from tests.support.wrappers import WrappedStore
+from tests.support.pools import ARENA_STORE_NAMES
+from tests.support.wrappers import Parts, WrappedStore, wrapped_parts
 
 BS = 16
 CHUNK = 2
@@ -32,16 +31,11 @@ LAYERS = 4
 RELEASE_BOUND_S = 60.0
 HOLD_S = 60.0  # a held copy waits this long at most: the tests let it go themselves
 
-Parts = tuple[list[torch.Tensor], kvflow.KVLayout, WrappedStore]
-
 
 @pytest.fixture(params=ARENA_STORE_NAMES)
 def parts(request: pytest.FixtureRequest) -> Iterator[Parts]:
-    caches = make_caches(LAYERS)
-    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = WrappedStore(make_store(request.param, "16MiB"))
-    yield caches, layout, store
-    dispose(store)
+    with wrapped_parts(request.param, LAYERS, BS) as made:
+        yield made
 
 
 def tokens_for(chunks: int, seed: int = 0) -> np.ndarray:

@@ -20,25 +20,34 @@ import kvflow.pipeline.handles as handles
 from kvflow.abc import Direction
 from kvflow.errors import StoreError
 from kvflow.results import ChunkStatus
-from tests.pipeline.test_cancellation import HOLD_S, sync_released
-from tests.support.caches import make_caches
-from tests.support.pools import ARENA_STORE_NAMES, dispose, make_store
-from tests.support.wrappers import WrappedStore
+from tests.support.pools import ARENA_STORE_NAMES
+from tests.support.waits import wait_until
+from tests.support.wrappers import Parts, WrappedStore, wrapped_parts
 
 BS = 16
 CHUNK = 2
 LAYERS = 4
-
-Parts = tuple[list[torch.Tensor], kvflow.KVLayout, WrappedStore]
+HOLD_S = 60.0  # a held copy waits this long at most: the tests let it go themselves
 
 
 @pytest.fixture(params=ARENA_STORE_NAMES)
 def parts(request: pytest.FixtureRequest) -> Iterator[Parts]:
-    caches = make_caches(LAYERS)
-    layout = kvflow.KVLayout.from_tensors(caches, block_size=BS)
-    store = WrappedStore(make_store(request.param, "16MiB"), inline=True)
-    yield caches, layout, store
-    dispose(store)
+    with wrapped_parts(request.param, LAYERS, BS, inline=True) as made:
+        yield made
+
+
+@pytest.fixture
+def hops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many layers each hand-over of copied layers to the loop carried."""
+    carried: list[int] = []
+    queue_copied = handles.SaveHandle._queue_copied
+
+    def counted(self: handles.SaveHandle, layers: Any) -> None:
+        carried.append(len(layers))
+        queue_copied(self, layers)
+
+    monkeypatch.setattr(handles.SaveHandle, "_queue_copied", counted)
+    return carried
 
 
 def tokens_for(chunks: int, seed: int = 0) -> np.ndarray:
@@ -69,6 +78,18 @@ def engine(layout: kvflow.KVLayout, store: WrappedStore, **cfg: Any) -> kvflow.S
     return kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK, **cfg))
 
 
+def sync_released(e: kvflow.SyncTransferEngine, store: WrappedStore) -> None:
+    """The engine holds nothing in the pool any more (polled: a batch ends on the loop)."""
+
+    def idle() -> bool:
+        usage = store.usage()
+        assert usage is not None
+        batches = e.engine._runtime.batches
+        return not batches and (usage.leases, usage.pending_writes, usage.open_sessions) == (0,) * 3
+
+    wait_until(idle, HOLD_S, "the engine's batches to end and give back their slots")
+
+
 def loads_back(e: kvflow.SyncTransferEngine, caches: list[torch.Tensor], tokens: Any) -> None:
     for c in caches:
         c[10:14].zero_()
@@ -78,17 +99,9 @@ def loads_back(e: kvflow.SyncTransferEngine, caches: list[torch.Tensor], tokens:
 
 
 def test_each_layer_is_copied_before_layer_written_returns_on_the_callers_thread(
-    parts: Parts, monkeypatch: pytest.MonkeyPatch
+    parts: Parts, hops: list[int]
 ) -> None:
     caches, layout, store = parts
-    hops: list[int] = []
-    queue_copied = handles.SaveHandle._queue_copied
-
-    def counted(self: handles.SaveHandle, layers: Any) -> None:
-        hops.append(len(layers))
-        queue_copied(self, layers)
-
-    monkeypatch.setattr(handles.SaveHandle, "_queue_copied", counted)
     threads = Threads(store)
     tokens = tokens_for(2)
     with engine(layout, store) as e:
@@ -194,7 +207,7 @@ def test_a_batch_closed_while_its_inline_copy_runs_keeps_its_slots_until_the_cop
 
 
 def test_a_forward_longer_than_half_the_timeout_hands_its_layers_over_before_the_end(
-    parts: Parts, monkeypatch: pytest.MonkeyPatch
+    parts: Parts, hops: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The driver waits at most ``op_timeout_s`` for the next layer: copied layers go to it
     once half of that has passed since the last hand-over, not only after the last layer."""
@@ -206,14 +219,6 @@ def test_a_forward_longer_than_half_the_timeout_hands_its_layers_over_before_the
         def monotonic() -> float:
             return now[0]
 
-    hops: list[int] = []
-    queue_copied = handles.SaveHandle._queue_copied
-
-    def counted(self: handles.SaveHandle, layers: Any) -> None:
-        hops.append(len(layers))
-        queue_copied(self, layers)
-
-    monkeypatch.setattr(handles.SaveHandle, "_queue_copied", counted)
     monkeypatch.setattr(handles, "time", Clock)  # the hand-over's clock only
     tokens = tokens_for(2)
     with engine(layout, store, op_timeout_s=60) as e:

@@ -5,13 +5,18 @@ No fake pool: the hook changes only the copies a test chooses (stall, fail, rais
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import torch
 
+import kvflow
 from kvflow.abc import Direction, Store
 from kvflow.testing import InstrumentedStore
+from tests.support.caches import make_caches
+from tests.support.pools import dispose, make_store
 
 
 class WrappedStore(InstrumentedStore):
@@ -40,3 +45,21 @@ class WrappedStore(InstrumentedStore):
             self._count("batch_copy")
             return np.asarray(override, dtype=np.int64)
         return super().batch_copy(pool_addrs, local_addrs, sizes, direction)
+
+
+Parts = tuple[list[torch.Tensor], kvflow.KVLayout, WrappedStore]
+
+
+@contextmanager
+def wrapped_parts(
+    store_name: str, layers: int, block_size: int, *, inline: bool = False
+) -> Iterator[Parts]:
+    """Caches of ``layers`` layers, their layout, and a ``WrappedStore`` (``inline`` as its
+    own) over a 16 MiB store of that name, disposed of at the end."""
+    caches = make_caches(layers)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=block_size)
+    store = WrappedStore(make_store(store_name, "16MiB"), inline=inline)
+    try:
+        yield caches, layout, store
+    finally:
+        dispose(store)
