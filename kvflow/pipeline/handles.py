@@ -188,7 +188,7 @@ class SaveHandle(BatchTransfer):
         self._running_here = 0  # of those, not yet returned
         self._here_done: concurrent.futures.Future[None] | None = None  # see _mark_settled
         self._copied_here: list[tuple[int, Copied]] = []  # not yet handed to the driver
-        self._handed_at = time.monotonic()
+        self._written_at = time.monotonic()  # a producer's last copy (see _next_layer)
         super().__init__(runtime, *args)
         if self._addresses is not None:  # not per layer, where it may be in a forward
             self._built = [self._addresses.layer(i) for i in range(self.num_layers)]
@@ -197,15 +197,20 @@ class SaveHandle(BatchTransfer):
         return self._runtime.config.save_backlog
 
     async def _next_layer(self) -> tuple[int, Any]:
-        limit = self._runtime.config.op_timeout_s
-        item = await get_within(self._written, limit)
-        if item is None:
-            raise TransferTimeoutError(f"layer_written after {len(self._seen)} layers", limit)
+        """The next layer written; fails once the producer has been silent ``op_timeout_s``
+        (with inline saves its layers come after the last one, and each copy it makes is
+        word from it)."""
+        limit = wait = self._runtime.config.op_timeout_s
+        while (item := await get_within(self._written, wait)) is None:
+            wait = limit - (time.monotonic() - self._written_at)
+            if wait <= 0:
+                raise TransferTimeoutError(f"layer_written after {len(self._seen)} layers", limit)
         return item
 
     def _layer_finished(self, layer: int) -> None:
         self._copied += 1
-        self._backlog.give()
+        if not self._started_here:  # an inline save's layers never took a backlog slot
+            self._backlog.give()
 
     def _abort(self) -> None:
         super()._abort()
@@ -259,17 +264,18 @@ class SaveHandle(BatchTransfer):
 
     def _copy_written(self, layer: int, token: Any) -> None:
         """On the producer's thread, for a claimed layer (``EngineConfig.inline_saves``): copy
-        it now. The copied layers go to the driver in one loop hop, after the last one (or
-        once ``op_timeout_s / 2`` has passed since the last hop, so a long forward does not
-        look silent): a loop and a copy thread waking at every layer take the GIL from the
-        producer's forward at every one of its ops. A batch that settles while such a copy
-        runs waits for it as for a copy thread's (``_mark_settled``): it keeps its slots
-        until the copy returns."""
+        it now, and once every layer is copied hand them to the driver in one loop hop: a loop
+        and a copy thread waking at every layer take the GIL from the producer's forward at
+        every one of its ops. No backlog slot is taken (nothing waits to be copied), and
+        ``copy_timeout_s`` does not apply: the copy is a memmove (``Store.saves_in_memory``)
+        the caller waits for. A batch that settles while such a copy runs waits for it as for
+        a copy thread's (``_mark_settled``): it keeps its slots until the copy returns."""
         with self._claims:
             if self._closed or self._settled:
                 raise ClosedError("SaveHandle")
             self._started_here += 1
             self._running_here += 1
+        self._runtime.copies_here(+1)
         try:
             copied = Copied(self._ranges(layer))
             if copied.ranges is not None and len(copied.ranges):
@@ -278,21 +284,22 @@ class SaveHandle(BatchTransfer):
                 except Exception as exc:  # a store failure is data: settled as a copy thread's
                     copied = Copied(copied.ranges, error=exc)
         finally:
+            self._runtime.copies_here(-1)
             with self._claims:
                 self._running_here -= 1
                 ended = self._here_done if self._running_here == 0 else None
             if ended is not None:
                 ended.set_result(None)
-        now = time.monotonic()
+        self._written_at = time.monotonic()
         with self._claims:
             self._copied_here.append((layer, copied))
-            if self._running_here or (
-                self._started_here < self.num_layers
-                and now - self._handed_at < self._runtime.config.op_timeout_s / 2
-            ):
-                return  # the last copy to end hands over
-            layers, self._copied_here, self._handed_at = self._copied_here, [], now
-        self._loop.call_soon_threadsafe(self._queue_copied, layers)
+            if self._running_here or self._started_here < self.num_layers or self._settled:
+                return  # the last copy to end hands over; a settled batch takes none
+            layers, self._copied_here = self._copied_here, []
+        try:
+            self._loop.call_soon_threadsafe(self._queue_copied, layers)
+        except RuntimeError:  # the engine's loop is closed
+            raise ClosedError("SaveHandle") from None
 
     def _queue_copied(self, layers: list[tuple[int, Copied]]) -> None:
         for layer, copied in layers:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -77,6 +78,14 @@ class Runtime:
         self.batches: set[Batch] = set()
         self.tasks: set[asyncio.Task[Any]] = set()
         self._meta_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-meta")
+        self._here = 0  # copies running on producers' threads (inline saves)
+        self._here_lock = threading.Lock()
+
+    def copies_here(self, change: int) -> None:
+        """A copy on a producer's thread began (+1) or returned (-1): ``close`` does not
+        unregister the caches while one runs."""
+        with self._here_lock:
+            self._here += change
 
     def background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``coro`` as a task the runtime keeps until it ends (``close`` waits for it)."""
@@ -158,7 +167,7 @@ class Runtime:
         others = self.tasks - {asyncio.current_task()}
         if others:  # releases waiting for straggling copies, bounded by their grace
             await asyncio.wait(others, timeout=stop_grace(self.config))
-        stuck = self.copier.in_flight > 0 or any(not t.done() for t in others)
+        stuck = self.copier.in_flight > 0 or self._here > 0 or any(not t.done() for t in others)
         if stuck:
             log.error("kvflow: closing with copies still running; their threads are left")
         else:  # nothing copies any more: the store may let go of the caches' memory

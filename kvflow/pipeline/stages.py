@@ -1,7 +1,8 @@
 """BatchStages: one request batch's two tasks on the engine's loop, joined by a bounded queue:
 
     driver:    next layer (load: window slot free; save: layer written)
-               -> address generation (NumPy) -> batch_copy submitted to the copy executor
+               -> the layer's ranges (NumPy; a save builds every layer's when it opens)
+               -> batch_copy submitted to the copy executor (an inline save's: done already)
     completer: await each copy in order (with a timeout) -> record failed chunks
                -> set the layer's events -> after the last layer, end the batch
 
@@ -177,7 +178,8 @@ class BatchStages:
         return ranges
 
     def _copy(self, layer: int, ranges: LayerRanges, token: Any) -> np.ndarray:
-        """On a copy thread: wait for the device, move the bytes, return failed range indices."""
+        """On a copy thread (an inline save: the producer's): wait for the device, move the
+        bytes, return failed range indices."""
         device = self._runtime.device
         loading = self.direction == Direction.FROM_POOL
         issued = False

@@ -387,8 +387,7 @@ class SyncSaveHandle(_Opening[SaveHandle]):
         h = self._opened(timeout)
         layer, limit = h._claim(layer, timeout)
         token = self._owner.engine.device.layer_written(layer)  # the caller's thread, stream
-        inline = self._owner._inline_saves
-        if inline:
+        if self._owner._inline_saves:
             h._copy_written(layer, token)
         elif not h._backlog.take_blocking(limit):
             h._unclaim(layer, limit)
@@ -396,5 +395,5 @@ class SyncSaveHandle(_Opening[SaveHandle]):
             trace.complete("layer_written", begun, "wait", layer=layer)
         if h._closed:
             raise ClosedError("SaveHandle")
-        if not inline:
+        if not self._owner._inline_saves:
             self._owner._loop.call_soon_threadsafe(h._queue_layer, layer, token)

@@ -6,7 +6,9 @@ abilities too (the prefix-context calls and ``usage``), or the inner store silen
 they carry: a wrapped arena that never hears the context evicts a prefix's head before its tail.
 Subclass ``StoreWrapper`` and override only what changes. A subclass that changes a plain call
 (``open_read``) changes its context form (``open_read_with_context``) too where it matters: the
-engine makes the context form whenever a batch names chunks before its own.
+engine makes the context form whenever a batch names chunks before its own. One that makes
+``batch_copy`` wait on anything but memory (a socket, a lock held long, a fault that stalls)
+sets ``saves_in_memory`` False: a save's copy may run on the caller's thread.
 
 Concurrency: whatever the inner store promises (see ``kvflow.stores.base``); the wrapper adds
 no state of its own.

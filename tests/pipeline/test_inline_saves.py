@@ -8,6 +8,7 @@ forward does not look silent to the batch's driver."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -206,27 +207,41 @@ def test_a_batch_closed_while_its_inline_copy_runs_keeps_its_slots_until_the_cop
         assert e.save(tokens, np.arange(4)).ok
 
 
-def test_a_forward_longer_than_half_the_timeout_hands_its_layers_over_before_the_end(
-    parts: Parts, hops: list[int], monkeypatch: pytest.MonkeyPatch
+class Clock:
+    """The clock the handles read (``handles.time``), moved by hand."""
+
+    now = 1000.0
+
+    @classmethod
+    def monotonic(cls) -> float:
+        return cls.now
+
+
+@pytest.mark.parametrize("silent", [False, True])
+def test_the_driver_waits_for_a_producer_that_copies_and_fails_one_that_is_silent(
+    parts: Parts, hops: list[int], monkeypatch: pytest.MonkeyPatch, silent: bool
 ) -> None:
-    """The driver waits at most ``op_timeout_s`` for the next layer: copied layers go to it
-    once half of that has passed since the last hand-over, not only after the last layer."""
+    """Inline layers reach the driver after the last one: a forward longer than
+    ``op_timeout_s`` must not fail the batch while its layers are being copied, and a producer
+    that stops for ``op_timeout_s`` (by the handles' clock) must, as through the copy thread."""
     caches, layout, store = parts
-    now = [1000.0]
-
-    class Clock:
-        @staticmethod
-        def monotonic() -> float:
-            return now[0]
-
-    monkeypatch.setattr(handles, "time", Clock)  # the hand-over's clock only
+    monkeypatch.setattr(handles, "time", Clock)
     tokens = tokens_for(2)
-    with engine(layout, store, op_timeout_s=60) as e:
-        with e.start_save([(tokens, np.arange(4))]) as save:
-            save.layer_written(0)
-            now[0] += 31  # past half the timeout since the batch opened
-            for layer in range(1, LAYERS):
-                save.layer_written(layer)
-            assert save.wait().ok
-        assert hops == [2, 2]  # layers 0-1 once 31 s had passed, the rest after the last
-        loads_back(e, caches, tokens)
+    with engine(layout, store, op_timeout_s=2.0) as e:
+        with e.start_save([(tokens, np.arange(4))], timeout=HOLD_S) as save:
+            save.layer_written(0, timeout=HOLD_S)
+            if silent:
+                Clock.now += 2.0  # the producer's last copy was op_timeout_s ago
+                wait_until(save.done, HOLD_S, "the driver to give up on a silent producer")
+                with pytest.raises(kvflow.ClosedError):
+                    save.layer_written(1, timeout=HOLD_S)
+                assert save.wait(timeout=HOLD_S).count(ChunkStatus.FAILED) == 2
+            else:
+                time.sleep(2.5)  # past the driver's op_timeout_s: the producer is still on time
+                for layer in range(1, LAYERS):
+                    save.layer_written(layer, timeout=HOLD_S)
+                assert save.wait(timeout=HOLD_S).ok
+        assert hops == ([] if silent else [LAYERS])
+        if not silent:
+            loads_back(e, caches, tokens)
+        sync_released(e, store)

@@ -20,8 +20,8 @@ from tests.support.pools import dispose, make_store
 
 
 class WrappedStore(InstrumentedStore):
-    """``before_copy(direction, pool, local, sizes)`` runs on the copy thread before each copy;
-    returning an array of range indices reports those ranges failed instead of copying.
+    """``before_copy(direction, pool, local, sizes)`` runs before each copy, on the thread that
+    copies; returning an array of range indices reports those ranges failed instead of copying.
 
     The hook may stall, so saves are not copied on the producer's thread
     (``saves_in_memory`` False, whatever ``inner``'s) unless ``inline`` says so."""
