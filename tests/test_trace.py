@@ -58,8 +58,8 @@ def test_a_traced_run_writes_a_chrome_trace_per_process(store: str, tmp_path: Pa
     assert Path(path).parent == tmp_path and Path(path).name.startswith("kv.engine-")
     events = load_trace(path)
     layers = list(range(LAYERS))
-    assert per_layer(events, "save_copy") == layers  # the copy threads
-    assert per_layer(events, "load_copy") == layers
+    assert per_layer(events, "save_copy") == layers  # the caller's thread (inline saves)
+    assert per_layer(events, "load_copy") == layers  # the copy threads
     assert per_layer(events, "layer_written") == layers  # the caller's thread
     assert per_layer(events, "wait_layer") == layers
     names = Counter(e["name"] for e in events)
@@ -68,11 +68,14 @@ def test_a_traced_run_writes_a_chrome_trace_per_process(store: str, tmp_path: Pa
     if store == "shared":  # the pool server, here in the same process
         for call in ("pool.open_write", "pool.finish_write", "pool.open_read", "pool.close_read"):
             assert names[call] == 1, names
-    copies = {e["tid"] for e in events if e["name"].endswith("_copy")}
-    waits = {e["tid"] for e in events if e["name"] == "wait_layer"}
-    assert copies.isdisjoint(waits)  # copies on the copy thread, waits on the caller's
+
+    def tids(name: str) -> set[int]:
+        return {e["tid"] for e in events if e["name"] == name}
+
+    assert tids("load_copy").isdisjoint(tids("wait_layer"))  # loads on the copy thread
+    assert tids("save_copy") == tids("layer_written")  # an inline save's on the caller's
     threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert all(threads[t].startswith("kvflow-copy") for t in copies), threads
+    assert all(threads[t].startswith("kvflow-copy") for t in tids("load_copy")), threads
     assert any(e["name"] == "process_name" for e in events)
 
 
