@@ -12,7 +12,10 @@ filled during the warm-up, so saves evict as in a long run), pinned with the cop
 engine's loop to the second CPU (vLLM's reserved core). Three modes per round, their order
 rotated every round: saves off; saves through the copy thread (``inline_saves=False``: the loop
 and the copy thread handle each layer as it comes); inline saves (the default: each layer copied
-in ``layer_written`` on the model thread, the loop woken once after the last). Per round and mode
+in ``layer_written`` on the model thread, the loop woken once after the last, through the copies
+the store checked once when the save opened, ``Store.prepare_writes``); and ``inline_checked``,
+inline saves through one ``batch_copy`` a layer that checks its ranges (the store behind a
+``StoreWrapper``, which offers no prepared copies). Per round and mode
 the median step time, whole and outside kvflow's calls, and the model thread's voluntary context
 switches per step; ratios over saves off per round, and their median. A control runs a busy
 process on the second CPU instead: the figure the machine's own sharing gives. Needs 2 CPUs.
@@ -37,6 +40,7 @@ import torch
 
 import kvflow
 from kvflow.pool.launch import wait_until_serving
+from kvflow.stores.wrapper import StoreWrapper
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS, BLOCKS, BLOCK = 8, 512, 32
@@ -80,11 +84,11 @@ def main() -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print("median over rounds of (mode's median step / saves off's), and the ms medians:")
-    for mode in ("thread", "inline"):
+    for mode in MODES[1:]:
         r = result["modes"][mode]
         rounds = ", ".join(f"{x:.2f}" for x in r["step_ratios"])
         print(
-            f"  {mode:6s} whole step {r['step_ratio']:.3f} ({r['step_ms']:.2f} ms against "
+            f"  {mode:14s} whole step {r['step_ratio']:.3f} ({r['step_ms']:.2f} ms against "
             f"{result['off_ms']:.2f}), outside kvflow's calls {r['outside_ratio']:.3f}, "
             f"in them {r['inside_ms']:.2f} ms, {r['switches_per_step']:.1f} sleeps of the "
             f"model thread a step ({result['off_switches_per_step']:.1f} with saves off); "
@@ -95,7 +99,7 @@ def main() -> int:
     return 0
 
 
-MODES = ("off", "thread", "inline")
+MODES = ("off", "thread", "inline", "inline_checked")
 
 
 def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) -> dict:
@@ -107,12 +111,12 @@ def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) ->
     engines = {
         mode: kvflow.SyncTransferEngine(
             layout,
-            store,
+            StoreWrapper(store) if mode == "inline_checked" else store,
             kvflow.EngineConfig(
                 model=f"si{os.getpid()}",
                 chunk_blocks=2,
                 copy_cpus=(spare,),
-                inline_saves=mode == "inline",
+                inline_saves=mode != "thread",
             ),
         )
         for mode in MODES[1:]
@@ -148,7 +152,7 @@ def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) ->
         in a wait of kvflow's)."""
         out: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in MODES}
         for r in range(n):
-            for mode in MODES[r % 3 :] + MODES[: r % 3]:
+            for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
                 switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
                 times = [step(mode) for _ in range(steps)]
                 switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - switches

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from typing import Any
@@ -27,7 +28,7 @@ import numpy as np
 
 from kvflow import trace
 from kvflow._validate import check_timeout
-from kvflow.errors import ClosedError, InvalidArgumentError, TransferTimeoutError
+from kvflow.errors import ClosedError, InvalidArgumentError, KVFlowError, TransferTimeoutError
 from kvflow.pipeline.runtime import Runtime
 from kvflow.pipeline.stages import Copied
 from kvflow.pipeline.transfer import BatchTransfer
@@ -36,6 +37,8 @@ from kvflow.results import TransferResult
 from kvflow.stores.base import Direction, ReadSession, WriteSession
 
 __all__ = ["LoadHandle", "SaveHandle"]
+
+log = logging.getLogger("kvflow")
 
 
 class LoadHandle(BatchTransfer):
@@ -192,6 +195,12 @@ class SaveHandle(BatchTransfer):
         super().__init__(runtime, *args)
         if self._addresses is not None:  # not per layer, where it may be in a forward
             self._built = [self._addresses.layer(i) for i in range(self.num_layers)]
+            try:  # checked once here, not at every layer's copy (Store.prepare_writes)
+                self._prepared = runtime.store.prepare_writes(
+                    [(r.pool, r.local, r.sizes) for r in self._built]
+                )
+            except KVFlowError as exc:  # each layer's batch_copy then fails as it would
+                log.debug("kvflow: prepare_writes: %s; copying layer by layer", exc)
 
     def _window(self) -> int:
         return self._runtime.config.save_backlog

@@ -36,7 +36,7 @@ from kvflow.pipeline.batch import BatchPlan
 from kvflow.pipeline.runtime import Runtime
 from kvflow.pipeline.waits import future_within
 from kvflow.results import ChunkStatus
-from kvflow.stores.base import Direction, ReadSession, WriteSession
+from kvflow.stores.base import Direction, PreparedWrites, ReadSession, WriteSession
 
 __all__ = ["BatchStages", "Copied"]
 
@@ -99,6 +99,7 @@ class BatchStages:
             else None
         )
         self._built: list[LayerRanges] | None = None  # every layer's, where built at once
+        self._prepared: PreparedWrites | None = None  # a save's copies of _built, checked once
         n = runtime.layout.num_layers
         self._events = [asyncio.Event() for _ in range(n)]
         self.layer_events = [threading.Event() for _ in range(n)]
@@ -170,7 +171,7 @@ class BatchStages:
             return None
         built = self._built
         ranges = built[layer] if built is not None else self._addresses.layer(layer)
-        if self._failed.any():  # a failed chunk is not copied again
+        if np.count_nonzero(self._failed):  # a failed chunk is not copied again
             keep = ~self._failed[ranges.chunk]
             ranges = LayerRanges(
                 ranges.local[keep], ranges.pool[keep], ranges.sizes[keep], ranges.chunk[keep]
@@ -196,9 +197,13 @@ class BatchStages:
         if trace.ENABLED:
             start = trace.now()
         with device.copying(self.direction, token, on_issued if loading else None):
-            failed = self._runtime.store.batch_copy(
-                ranges.pool, ranges.local, ranges.sizes, self.direction
-            )
+            prepared, built = self._prepared, self._built
+            if prepared is not None and built is not None and ranges is built[layer]:
+                failed = prepared.copy(layer)
+            else:  # a load, or a save some of whose chunks failed already
+                failed = self._runtime.store.batch_copy(
+                    ranges.pool, ranges.local, ranges.sizes, self.direction
+                )
         if trace.ENABLED:
             name = "load_copy" if loading else "save_copy"
             nbytes = int(ranges.sizes.sum())

@@ -302,24 +302,59 @@ class PoolLink:
         range whether this client holds it (``held``), and the earliest deadline of the leases
         used. Refuses ranges outside the arena; a dropped connection waits for it to end."""
         with self.cond:
-            conn = self.conn
-            if self.closed:
-                raise ClosedError("SharedStore")
-            if conn is None:
-                raise StoreUnavailableError("the pool server is not connected")
+            conn = self._live()
             _check_arena(conn, self.past, pool, sizes)
             held, deadline = self._held(pool, sizes, reading)
             self.in_flight += 1
         try:
             yield conn, held, deadline
         finally:
-            with self.cond:
-                self.in_flight -= 1
-                self.cond.notify_all()
-                parked = self._parked if self.in_flight == 0 else []
-                self._parked = [] if parked else self._parked
-            for old in parked:  # the last straggler is out: their sockets may close now
-                self._finish_drop(old)
+            self.copy_ended()
+
+    def writes_held(
+        self, pool: np.ndarray, sizes: np.ndarray
+    ) -> tuple[PoolConnection, int, np.ndarray]:
+        """For ranges a save will copy, checked against the arena: the live connection, the
+        write slots' version, and which ranges they hold now (``kvflow.pool.prepared``)."""
+        with self.cond:
+            conn = self._live()
+            _check_arena(conn, self.past, pool, sizes)
+            return conn, self._write_spans.version, self._write_spans.cover(pool, sizes, None)[0]
+
+    def write_copy_started(
+        self, conn: PoolConnection, version: int, pool: np.ndarray, sizes: np.ndarray
+    ) -> np.ndarray | None:
+        """A prepared write's copy begins (``copy_ended`` after it): None where the write slots
+        are as they were when it was prepared, else which of its ranges are still held (none
+        once ``conn`` is not the live connection)."""
+        with self.cond:
+            if self.closed:
+                raise ClosedError("SharedStore")
+            held = None
+            if self.conn is not conn:
+                held = np.zeros(sizes.shape, dtype=bool)
+            elif self._write_spans.version != version:
+                held = self._write_spans.cover(pool, sizes, None)[0]
+            self.in_flight += 1
+        return held
+
+    def copy_ended(self) -> None:
+        """A copy is out of the pool's memory; the last one out lets dropped sockets close."""
+        with self.cond:
+            self.in_flight -= 1
+            self.cond.notify_all()
+            parked = self._parked if self.in_flight == 0 else []
+            self._parked = [] if parked else self._parked
+        for old in parked:
+            self._finish_drop(old)
+
+    def _live(self) -> PoolConnection:
+        """The live connection, for a copy. Holds cond."""
+        if self.closed:
+            raise ClosedError("SharedStore")
+        if self.conn is None:
+            raise StoreUnavailableError("the pool server is not connected")
+        return self.conn
 
     def _held(self, pool: np.ndarray, sizes: np.ndarray, reading: bool) -> tuple[np.ndarray, float]:
         """Per range: inside one of this client's write slots, or (reading) under a live lease;

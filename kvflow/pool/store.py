@@ -25,8 +25,9 @@ from kvflow.pool.client import PoolConnection, query_stats
 from kvflow.pool.config import SharedStoreConfig
 from kvflow.pool.diskread import DiskReads
 from kvflow.pool.link import ClientSession, PoolLink
+from kvflow.pool.prepared import ArenaWrites
 from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
-from kvflow.stores.regions import LocalRegions
+from kvflow.stores.regions import LocalRegions, check_copy_arrays
 
 __all__ = ["SharedStore", "SharedStoreConfig"]
 
@@ -227,6 +228,19 @@ class SharedStore(Store):
         extra = (local_addrs[disk][ok], staged.src[ok], sizes[disk][ok])
         failed = self._copy(pool_addrs[arena], local_addrs[arena], sizes[arena], True, extra)
         return np.sort(np.concatenate([arena[failed], disk[~ok]]))
+
+    def prepare_writes(
+        self, layers: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    ) -> ArenaWrites:
+        """Every layer's copies of a save, checked now, all at once (``kvflow.pool.prepared``):
+        raises as ``batch_copy`` would for bad input, and StoreUnavailableError while
+        disconnected."""
+        checked = [(pool, local, sizes) for pool, local, sizes in layers]
+        for pool, local, sizes in checked:
+            check_copy_arrays(pool, local, sizes)
+        whole = ArenaWrites.joined(checked)
+        self._regions.check(whole[1], whole[2])
+        return ArenaWrites(self._link, checked, whole, self._native_copy)
 
     def _copy(
         self,

@@ -32,6 +32,9 @@ that forwards to another (``StoreWrapper``), answers them:
 * ``usage()``: occupancy and counters, or None (the default) for a store that keeps none.
 * ``contents_epoch()``: a value that changes when the pool may have lost everything at once (a
   restarted server), or None (the default): not known.
+* ``prepare_writes(layers)``: a save's per-layer copies with their arguments checked once, when
+  it opens (``PreparedWrites``), or None (the default): the caller calls ``batch_copy``. The one
+  ability ``StoreWrapper`` does not forward: a wrapper's own ``batch_copy`` must run.
 
 (They were once protocols checked with ``isinstance``; a forwarding store cannot know statically
 what the store it wraps can do, and a check on the wrapper silently dropped the context.)
@@ -68,6 +71,7 @@ import numpy as np
 
 __all__ = [
     "Direction",
+    "PreparedWrites",
     "ReadSession",
     "Store",
     "StoreUsage",
@@ -131,6 +135,14 @@ class StoreUsage:
     misses: int
     evictions: int
     no_space: int
+
+
+class PreparedWrites(Protocol):
+    """A save's copies, checked once for all its layers (``Store.prepare_writes``)."""
+
+    def copy(self, layer: int) -> np.ndarray:
+        """``batch_copy`` of layer ``layer``'s ranges to the pool: the indices that failed."""
+        ...
 
 
 class Store(ABC):
@@ -215,6 +227,17 @@ class Store(ABC):
     def open_read_with_context(self, keys: Sequence[str], context: Sequence[str]) -> ReadSession:
         """``open_read``, with ``context`` the chunks before ``keys`` (prefix context)."""
         return self.open_read(keys)
+
+    def prepare_writes(
+        self, layers: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    ) -> PreparedWrites | None:
+        """A save's ``batch_copy`` calls to the pool, one per layer (``(pool_addrs,
+        local_addrs, sizes)`` each), their arguments checked now, once, instead of at every
+        call (bad input raises here, as ``batch_copy`` would); None (this default): not
+        offered, the caller calls ``batch_copy``. The result's ``copy(i)`` fails the ranges
+        whose write slots are gone by then, as ``batch_copy`` does. A wrapper does not forward
+        it (``StoreWrapper``): the wrapper's own ``batch_copy`` must run."""
+        return None
 
     def usage(self) -> StoreUsage | None:
         """The pool's occupancy and counters, or None (this default) for a store that keeps

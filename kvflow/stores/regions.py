@@ -89,10 +89,12 @@ class HeldSpans:
 
     Each session adds ``[starts[i], ends[i])`` spans with one deadline (``inf`` for write
     grants) and an ``owner`` (its connection), so every span of a lost connection goes at once.
-    Not thread-safe: the owner serialises calls.
+    Not thread-safe: the owner serialises calls. ``version`` changes whenever a span comes or
+    goes, so a check made earlier can be reused while it is unchanged.
     """
 
     def __init__(self) -> None:
+        self.version = 0
         self._by_handle: dict[int, tuple[np.ndarray, np.ndarray, float, object]] = {}
         self._starts = self._ends = np.zeros(0, dtype=np.int64)
         self._deadlines = np.zeros(0)
@@ -128,6 +130,7 @@ class HeldSpans:
         return inside, float(deadlines[inside].min()) if inside.any() else math.inf
 
     def _rebuild(self) -> None:
+        self.version += 1
         held = list(self._by_handle.values())
         if not held:
             self._starts = self._ends = np.zeros(0, dtype=np.int64)
