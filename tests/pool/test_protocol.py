@@ -35,7 +35,7 @@ def reencode(req: p.Request) -> bytes:
     """The canonical body of a decoded request (decoding is exact: this is the input body)."""
     if req.op == Op.HELLO:
         return p.hello_body(req.pid)
-    if req.op in (Op.LOOKUP, Op.OPEN_READ):
+    if req.op in (Op.LOOKUP, Op.OPEN_READ, Op.DISK_DROP):
         return p.encode_keys(req.keys)
     if req.op in (Op.LOOKUP_CTX, Op.OPEN_READ_CTX):
         return p.keys_context_body(req.keys, req.context)
