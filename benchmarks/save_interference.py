@@ -9,13 +9,15 @@ two new 64-token chunks of a ``kv_split`` cache (8 layers, 4 KV heads x 64, floa
 vLLM connector does: ``start_save`` at the step's start, ``layer_written`` after each layer,
 ``wait`` at its end, to a ``kvflow serve`` pool this script starts on a private socket (64 MiB,
 filled during the warm-up, so saves evict as in a long run), pinned with the copy thread and the
-engine's loop to the second CPU (vLLM's reserved core). Three modes per round, their order
-rotated every round: saves off; saves through the copy thread (``inline_saves=False``: the loop
-and the copy thread handle each layer as it comes); inline saves (the default: each layer copied
-in ``layer_written`` on the model thread, the loop woken once after the last, through the copies
-the store checked once when the save opened, ``Store.prepare_writes``); and ``inline_checked``,
-inline saves through one ``batch_copy`` a layer that checks its ranges (the store behind a
-``StoreWrapper``, which offers no prepared copies). Per round and mode
+engine's loop to the second CPU (vLLM's reserved core). Five modes per round, their order
+rotated every round: saves off; saves through the copy thread (``inline_saves=False``,
+``deferred_saves=False``: the loop and the copy thread handle each layer as it comes); deferred
+saves (``inline_saves=False``: what a store whose save may wait, Mooncake's, gets: the layers
+handed to the loop and the copy thread together after the last); inline saves (the default:
+each layer copied in ``layer_written`` on the model thread, the loop woken once after the
+last, through the copies the store checked when the save opened, ``Store.prepare_writes``);
+and ``inline_checked``, inline saves through one ``batch_copy`` a layer that checks its ranges
+(the store behind a ``StoreWrapper``, which offers no prepared copies). Per round and mode
 the median step time, whole and outside kvflow's calls, and the model thread's voluntary context
 switches per step; ratios over saves off per round, and their median. A control runs a busy
 process on the second CPU instead: the figure the machine's own sharing gives. Needs 2 CPUs.
@@ -99,7 +101,7 @@ def main() -> int:
     return 0
 
 
-MODES = ("off", "thread", "inline", "inline_checked")
+MODES = ("off", "thread", "deferred", "inline", "inline_checked")
 
 
 def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) -> dict:
@@ -116,7 +118,8 @@ def measure(socket: str, model_cpu: int, spare: int, rounds: int, steps: int) ->
                 model=f"si{os.getpid()}",
                 chunk_blocks=2,
                 copy_cpus=(spare,),
-                inline_saves=mode != "thread",
+                inline_saves=mode not in ("thread", "deferred"),
+                deferred_saves=mode == "deferred",
             ),
         )
         for mode in MODES[1:]

@@ -23,10 +23,12 @@ connector could at best give: every prefix a device hit); ``kvflow_floor`` and
 nothing there: what its lookups and saves cost a prefix cache that hits on its own); and, to
 take that cost apart, ``kvflow_idle_floor`` (the connector and its pool, with ``load`` and
 ``save`` off), ``kvflow_lookups_floor`` (``save`` off) and ``kvflow_saves_floor`` (``load``
-off), and ``kvflow_thread_saves_floor`` (``inline_saves`` off: every layer's save through the
-copy thread); ``kvflow_no_tails`` and ``kvflow_mooncake_no_tails``, those rows with ``tail_chunks``
-off (a hit ends at a whole chunk), and ``kvflow_no_tails_floor``, the ``kvflow_floor`` row
-with it off.
+off), and ``kvflow_thread_saves_floor`` (``inline_saves`` and ``deferred_saves`` off: every
+layer's save through the copy thread as it is written); ``kvflow_no_tails`` and
+``kvflow_mooncake_no_tails``, those rows with ``tail_chunks`` off (a hit ends at a whole
+chunk), and ``kvflow_no_tails_floor``, the ``kvflow_floor`` row with it off;
+``kvflow_mooncake_layer_saves``, kvflow on Mooncake with ``deferred_saves`` off (each layer's
+save handed to the copy thread as it is written, not all after the last).
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -101,13 +103,14 @@ ON_REQUEST = (
     "kvflow_no_tails",
     "kvflow_mooncake_no_tails",
     "kvflow_no_tails_floor",
+    "kvflow_mooncake_layer_saves",
 )  # and kvflow_chunkN
 # the ``kvflow_*_floor`` rows that do part of the connector's work: what the rest leaves out
 PARTS: dict[str, dict[str, bool]] = {
     "idle": {"load": False, "save": False},
     "lookups": {"save": False},
     "saves": {"load": False},
-    "thread_saves": {"inline_saves": False},  # not a part: the saves' other way
+    "thread_saves": {"inline_saves": False, "deferred_saves": False},  # the saves' other way
 }
 CHUNK_ROW = re.compile(r"kvflow_chunk([1-9][0-9]*)")  # kvflow with chunks of that many tokens
 WORKLOADS = ("bench", "chat")
@@ -205,8 +208,11 @@ def start_rows(
     for row in rows:
         floor = row.endswith("floor")  # the floor's device KV
         connector = row.removesuffix("_floor")
-        no_tails = {"tail_chunks": False} if connector.endswith("_no_tails") else {}
-        connector = connector.removesuffix("_no_tails")
+        off: dict[str, Any] = {}  # what a row's suffix turns off
+        for suffix, setting in (("_no_tails", "tail_chunks"), ("_layer_saves", "deferred_saves")):
+            if connector.endswith(suffix):
+                off[setting] = False
+            connector = connector.removesuffix(suffix)
         env: dict[str, str] = {}
         transfer: dict[str, Any] | None = None
         count = 2 if row == "kvflow_two_servers" else 1
@@ -226,7 +232,7 @@ def start_rows(
             stack.callback(stop_pool, socket)  # first: callbacks run last to first
             extra: dict[str, Any] = {"chunk_blocks": int(chunk[1]) // shape.block} if chunk else {}
             extra.update(part)
-            extra.update(no_tails)
+            extra.update(off)
             if row.startswith("kvflow_small_pool"):  # the pool starts itself, so small
                 most = shape.kv_bytes(
                     max(shape.working_set()["bench"], shape.working_set()["chat"])
@@ -238,9 +244,7 @@ def start_rows(
         elif connector == "kvflow_mooncake":
             pools[row] = {"master": stack.enter_context(MooncakeMaster())}
             master = pools[row]["master"].address
-            transfer = kvflow_transfer_config(
-                {**kvflow_mooncake_extra(master, shape.pool), **no_tails}
-            )
+            transfer = kvflow_transfer_config({**kvflow_mooncake_extra(master, shape.pool), **off})
         elif connector == "mooncake_store_connector":
             pools[row] = {"master": stack.enter_context(MooncakeMaster())}
             master = pools[row]["master"].address

@@ -9,11 +9,13 @@ and each method's. ``open_write`` hands out a ``WriteSession`` (per-key ``WriteS
 addresses), ``open_read`` a ``ReadSession``; ``batch_copy`` moves bytes in a ``Direction``.
 Optional abilities are ``Store`` methods with defaults: the ``*_with_context`` calls (eviction
 ordered by prefix; by default the plain calls), ``usage()`` (occupancy and counters; by
-default None) and ``contents_epoch()`` (changes when a restarted pool lost what it held; by
-default None). A store that forwards to another (to count, to inject faults, to share it)
-subclasses ``StoreWrapper``, which forwards every call, abilities included, and overrides only
-what it changes. ``SupportsUsage`` and ``SupportsPrefixContext``, the protocols of earlier
-releases, still import, with a DeprecationWarning.
+default None), ``contents_epoch()`` (changes when a restarted pool lost what it held; by
+default None) and ``prepare_writes()`` (a save's copies checked once for all its layers, a
+``PreparedWrites``; by default None). A store that forwards to another (to count, to inject
+faults, to share it) subclasses ``StoreWrapper``, which forwards every call, abilities included
+but ``prepare_writes``, and overrides only what it changes. ``SupportsUsage`` and
+``SupportsPrefixContext``, the protocols of earlier releases, still import, with a
+DeprecationWarning.
 
 A device subclasses ``DeviceOps`` (readiness tokens: when a layer's bytes may move, and how the
 caller's compute is ordered after a load), or ``StreamDevice`` for an accelerator that torch's
@@ -25,6 +27,7 @@ from __future__ import annotations
 from kvflow.devices import DeviceOps, StreamDevice
 from kvflow.stores.base import (
     Direction,
+    PreparedWrites,
     ReadSession,
     Store,
     StoreUsage,
@@ -37,6 +40,7 @@ from kvflow.stores.wrapper import StoreWrapper
 __all__ = [
     "DeviceOps",
     "Direction",
+    "PreparedWrites",
     "ReadSession",
     "Store",
     "StoreUsage",

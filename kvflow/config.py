@@ -76,6 +76,11 @@ class EngineConfig(Config):
             last one: a copy thread and the loop running Python beside the caller's forward
             take the GIL from it at every torch op (``benchmarks/save_interference.py``).
             False: every layer goes to the copy thread.
+        deferred_saves: with ``SyncTransferEngine`` on host memory where inline saves do not
+            apply (a store whose save may wait: Mooncake, memcache, a wrapper), the written
+            layers reach the loop and the copy threads together after the last one, in one
+            hop, instead of one by one beside the forward (the GIL, as above); their copies
+            then run while the caller waits for the save. False: each layer as it is written.
     """
 
     model: str = text(default="default", empty=False)
@@ -89,6 +94,7 @@ class EngineConfig(Config):
     copy_timeout_s: float = seconds(default=DEFAULT_COPY_TIMEOUT_S)
     op_timeout_s: float = seconds(default=DEFAULT_OP_TIMEOUT_S)
     inline_saves: bool = flag(default=True)
+    deferred_saves: bool = flag(default=True)
 
     @property
     def transfer_limit(self) -> int:

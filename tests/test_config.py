@@ -204,7 +204,8 @@ for _name in ("chunk_blocks", "prefetch_layers", "save_backlog", "copy_threads")
     _BAD_VALUES += [(_name, v) for v in (0, -1, True, 2.0, "4", None)]
 for _name in ("copy_timeout_s", "op_timeout_s"):
     _BAD_VALUES += [(_name, v) for v in (0, -1, -0.5, math.nan, math.inf, True, "1", None)]
-_BAD_VALUES += [("inline_saves", v) for v in (1, "yes", None, 0.0)]
+for _name in ("inline_saves", "deferred_saves"):
+    _BAD_VALUES += [(_name, v) for v in (1, "yes", None, 0.0)]
 
 
 @pytest.mark.parametrize(("field", "value"), _BAD_VALUES)

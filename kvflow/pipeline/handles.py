@@ -191,16 +191,22 @@ class SaveHandle(BatchTransfer):
         self._running_here = 0  # of those, not yet returned
         self._here_done: concurrent.futures.Future[None] | None = None  # see _mark_settled
         self._copied_here: list[tuple[int, Copied]] = []  # not yet handed to the driver
+        self._deferred: list[tuple[int, Any]] = []  # deferred saves' layers, not yet handed
+        self._slotless = False  # inline or deferred: no layer takes a backlog slot
         self._written_at = time.monotonic()  # a producer's last copy (see _next_layer)
         super().__init__(runtime, *args)
-        if self._addresses is not None:  # not per layer, where it may be in a forward
-            self._built = [self._addresses.layer(i) for i in range(self.num_layers)]
-            try:  # checked once here, not at every layer's copy (Store.prepare_writes)
-                self._prepared = runtime.store.prepare_writes(
-                    [(r.pool, r.local, r.sizes) for r in self._built]
-                )
-            except KVFlowError as exc:  # each layer's batch_copy then fails as it would
-                log.debug("kvflow: prepare_writes: %s; copying layer by layer", exc)
+
+    def _before_start(self) -> None:
+        if self._addresses is None:
+            return
+        n = self._runtime.layout.num_layers
+        self._built = [self._addresses.layer(i) for i in range(n)]  # not in a forward
+        try:  # checked once here, not at every layer's copy (Store.prepare_writes)
+            self._prepared = self._runtime.store.prepare_writes(
+                [(r.pool, r.local, r.sizes) for r in self._built]
+            )
+        except KVFlowError as exc:  # each layer's batch_copy then fails as it would
+            log.debug("kvflow: prepare_writes: %s; copying layer by layer", exc)
 
     def _window(self) -> int:
         return self._runtime.config.save_backlog
@@ -218,7 +224,7 @@ class SaveHandle(BatchTransfer):
 
     def _layer_finished(self, layer: int) -> None:
         self._copied += 1
-        if not self._started_here:  # an inline save's layers never took a backlog slot
+        if not self._slotless:  # an inline or deferred save's layers never took a slot
             self._backlog.give()
 
     def _abort(self) -> None:
@@ -284,6 +290,7 @@ class SaveHandle(BatchTransfer):
                 raise ClosedError("SaveHandle")
             self._started_here += 1
             self._running_here += 1
+            self._slotless = True
         self._runtime.copies_here(+1)
         try:
             copied = Copied(self._ranges(layer))
@@ -309,6 +316,36 @@ class SaveHandle(BatchTransfer):
             self._loop.call_soon_threadsafe(self._queue_copied, layers)
         except RuntimeError:  # the engine's loop is closed
             raise ClosedError("SaveHandle") from None
+
+    def _hand_written(self, layer: int, token: Any, limit: float) -> None:
+        """On the producer's thread, for a claimed layer: hand it to the driver once a backlog
+        slot is free (at most ``limit`` seconds; a closed batch's loop drops it)."""
+        if not self._backlog.take_blocking(limit):
+            self._unclaim(layer, limit)
+        self._loop.call_soon_threadsafe(self._queue_layer, layer, token)
+
+    def _defer_written(self, layer: int, token: Any) -> None:
+        """On the producer's thread, for a claimed layer (``EngineConfig.deferred_saves``):
+        keep it; the last one hands every layer to the driver in one loop hop, so that neither
+        the loop nor a copy thread wakes beside the producer's forward (see ``_copy_written``).
+        No backlog slot is taken: nothing is copied before the last layer."""
+        with self._claims:
+            if self._closed or self._settled:
+                raise ClosedError("SaveHandle")
+            self._slotless = True
+            self._written_at = time.monotonic()
+            self._deferred.append((layer, token))
+            if len(self._deferred) < self.num_layers:
+                return
+            layers, self._deferred = self._deferred, []
+        try:
+            self._loop.call_soon_threadsafe(self._queue_deferred, layers)
+        except RuntimeError:  # the engine's loop is closed
+            raise ClosedError("SaveHandle") from None
+
+    def _queue_deferred(self, layers: list[tuple[int, Any]]) -> None:
+        for layer, token in layers:
+            self._queue_layer(layer, token)
 
     def _queue_copied(self, layers: list[tuple[int, Copied]]) -> None:
         for layer, copied in layers:

@@ -111,12 +111,16 @@ class BatchStages:
         self._submitted: list[concurrent.futures.Future[Any]] = []  # the same, as the executor's
         self._timed_out: set[asyncio.Future[Any]] = set()  # copies the completer gave up on
         self.last_error: BaseException | None = None
+        self._before_start()
         self._tasks = [
             asyncio.ensure_future(self._drive()),
             asyncio.ensure_future(self._complete()),
         ]
 
     # -- to be provided by LoadHandle / SaveHandle, and BatchTransfer -------------------------
+
+    def _before_start(self) -> None:
+        """Called once the batch's addresses are known, before its tasks start."""
 
     def _window(self) -> int:
         raise NotImplementedError

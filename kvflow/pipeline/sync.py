@@ -60,9 +60,9 @@ class SyncTransferEngine:
         self.engine = TransferEngine(layout, store, config, keyspace=keyspace, device=device)
         config = self.engine.config
         self._timeout = config.op_timeout_s
-        self._inline_saves = (  # EngineConfig.inline_saves
-            config.inline_saves and self.engine.device.synchronous and store.saves_in_memory
-        )
+        here = self.engine.device.synchronous  # EngineConfig.inline_saves, .deferred_saves
+        self._inline_saves = config.inline_saves and here and store.saves_in_memory
+        self._deferred_saves = config.deferred_saves and here and not self._inline_saves
         self._closed = False
         self._close_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -377,23 +377,24 @@ class SyncSaveHandle(_Opening[SaveHandle]):
         return self._handle is not None and self._handle._handed_over()
 
     def layer_written(self, layer: int, timeout: float | None = None) -> None:
-        """Layer ``layer`` is written; returns at once while the save backlog has room (the
-        layer is handed to the loop without waiting), blocks (at most ``timeout``) when full.
-        The first call also waits for the store session to open. With inline saves
-        (``EngineConfig.inline_saves``) it copies the layer before it returns instead."""
+        """Layer ``layer`` is written: handed to the loop at once while the save backlog has
+        room, or after waiting (at most ``timeout``) for it; the first call also waits for the
+        store session. Inline saves copy it here instead, deferred saves keep it for the last
+        call to hand over with the others (``EngineConfig.inline_saves``, ``.deferred_saves``)."""
         timeout = check_timeout(timeout)
         if trace.ENABLED:
             begun = trace.now()
         h = self._opened(timeout)
         layer, limit = h._claim(layer, timeout)
-        token = self._owner.engine.device.layer_written(layer)  # the caller's thread, stream
-        if self._owner._inline_saves:
+        owner = self._owner
+        token = owner.engine.device.layer_written(layer)  # the caller's thread, its stream
+        if owner._inline_saves:
             h._copy_written(layer, token)
-        elif not h._backlog.take_blocking(limit):
-            h._unclaim(layer, limit)
+        elif owner._deferred_saves:
+            h._defer_written(layer, token)
+        else:
+            h._hand_written(layer, token, limit)
         if trace.ENABLED:
             trace.complete("layer_written", begun, "wait", layer=layer)
         if h._closed:
             raise ClosedError("SaveHandle")
-        if not self._owner._inline_saves:
-            self._owner._loop.call_soon_threadsafe(h._queue_layer, layer, token)

@@ -319,7 +319,7 @@ class PoolLink:
         with self.cond:
             conn = self._live()
             _check_arena(conn, self.past, pool, sizes)
-            return conn, self._write_spans.version, self._write_spans.cover(pool, sizes, None)[0]
+            return conn, self._write_spans.version, self._writes_cover(pool, sizes)
 
     def write_copy_started(
         self, conn: PoolConnection, version: int, pool: np.ndarray, sizes: np.ndarray
@@ -334,7 +334,7 @@ class PoolLink:
             if self.conn is not conn:
                 held = np.zeros(sizes.shape, dtype=bool)
             elif self._write_spans.version != version:
-                held = self._write_spans.cover(pool, sizes, None)[0]
+                held = self._writes_cover(pool, sizes)
             self.in_flight += 1
         return held
 
@@ -356,14 +356,18 @@ class PoolLink:
             raise StoreUnavailableError("the pool server is not connected")
         return self.conn
 
+    def _writes_cover(self, pool: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Per range: inside one of this client's write slots. Holds cond."""
+        return self._write_spans.cover(pool, sizes, None)[0]
+
     def _held(self, pool: np.ndarray, sizes: np.ndarray, reading: bool) -> tuple[np.ndarray, float]:
         """Per range: inside one of this client's write slots, or (reading) under a live lease;
         and the earliest deadline of the leases used. Holds cond."""
         if not reading:
-            return self._write_spans.cover(pool, sizes, None)[0], math.inf
+            return self._writes_cover(pool, sizes), math.inf
         held, deadline = self._read_spans.cover(pool, sizes, time.monotonic())
         if not held.all():  # reading back one's own pending write is allowed too
-            held |= self._write_spans.cover(pool, sizes, None)[0]
+            held |= self._writes_cover(pool, sizes)
         return held, deadline
 
 

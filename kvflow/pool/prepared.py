@@ -6,7 +6,8 @@ take many times the layer's memmove. ``SharedStore.prepare_writes`` makes them o
 save opens, for all its layers; ``copy(layer)`` then checks only what may have changed since:
 
 - the connection: a dropped one took every write slot with it, so nothing is copied and every
-  range fails, as ``batch_copy``'s would;
+  range fails (where ``batch_copy`` finds no connection it raises StoreUnavailableError, which
+  fails every range too);
 - the write slots: when a session came or went since (``HeldSpans.version``), the layer's
   ranges are checked against them again, as ``batch_copy`` does, so a range whose slot was
   given up is never written.
@@ -17,12 +18,14 @@ before its memory goes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvflow.copying.host import copy_ranges
 from kvflow.errors import InvalidArgumentError
+from kvflow.stores.regions import LocalRegions, check_copy_arrays
 
 if TYPE_CHECKING:
     from kvflow.pool.link import PoolLink
@@ -33,25 +36,42 @@ Ranges = tuple[np.ndarray, np.ndarray, np.ndarray]  # a layer's (pool, local, si
 
 
 class ArenaWrites:
-    """``copy(i)`` is ``batch_copy(*layers[i], TO_POOL)`` of the SharedStore on ``link``.
-    Thread-safe: layers may be copied from several threads at once."""
+    """``copy(i)`` is ``batch_copy(*layers[i], TO_POOL)`` of the SharedStore on ``link``, made
+    by ``prepare``. Thread-safe: layers may be copied from several threads at once, in any
+    order. After the session's ``finish_write`` (or the store's close) its slots are gone and
+    each copy fails every range (raises ClosedError after the close)."""
 
-    def __init__(self, link: PoolLink, layers: list[Ranges], joined: Ranges, native: bool) -> None:
-        """``joined``: the layers' arrays concatenated (``joined(layers)``), checked in one go."""
+    def __init__(self, link: PoolLink, layers: list[Ranges], native: bool) -> None:
+        """``layers``: arrays of this object's own, checked already (``prepare``)."""
         self._link, self._layers, self._native = link, layers, native
+        joined = [np.concatenate(arrays) for arrays in zip(*layers, strict=True)]
         self._conn, self._version, held = link.writes_held(joined[0], joined[2])
         ends = np.cumsum([len(sizes) for _, _, sizes in layers])
         self._ready = [  # per layer, what to copy while the slots are unchanged, and what fails
             _ready(ranges, ok) for ranges, ok in zip(layers, np.split(held, ends[:-1]), strict=True)
         ]
 
-    @staticmethod
-    def joined(layers: list[Ranges]) -> Ranges:
-        if not layers:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        pool, local, sizes = (np.concatenate(arrays) for arrays in zip(*layers, strict=True))
-        return pool, local, sizes
+    @classmethod
+    def prepare(
+        cls,
+        link: PoolLink,
+        regions: LocalRegions,
+        layers: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        native: bool,
+    ) -> ArenaWrites | None:
+        """The layers' arrays copied (read-only: what was checked is what is copied) and
+        checked as ``batch_copy`` checks them, the local ranges in one go; None for none."""
+        own: list[Ranges] = []
+        for ranges in layers:
+            pool, local, sizes = (np.array(a, dtype=np.int64) for a in ranges)
+            check_copy_arrays(pool, local, sizes)
+            for array in (pool, local, sizes):
+                array.setflags(write=False)
+            own.append((pool, local, sizes))
+        if not own:
+            return None
+        regions.check(np.concatenate([r[1] for r in own]), np.concatenate([r[2] for r in own]))
+        return cls(link, own, native)
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -81,7 +101,7 @@ class ArenaWrites:
 
 def _ready(ranges: Ranges, ok: np.ndarray) -> tuple[np.ndarray, ...]:
     """A layer's (dst, src, sizes) to copy, and the indices that fail, given which are held."""
-    pool, local, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in ranges)
+    pool, local, sizes = ranges
     if ok.all():
         return pool, local, sizes, np.zeros(0, dtype=np.int64)
     return pool[ok], local[ok], sizes[ok], np.flatnonzero(~ok)

@@ -27,7 +27,7 @@ from kvflow.pool.diskread import DiskReads
 from kvflow.pool.link import ClientSession, PoolLink
 from kvflow.pool.prepared import ArenaWrites
 from kvflow.stores.base import Direction, ReadSession, Store, StoreUsage, WriteSession, WriteStatus
-from kvflow.stores.regions import LocalRegions, check_copy_arrays
+from kvflow.stores.regions import LocalRegions
 
 __all__ = ["SharedStore", "SharedStoreConfig"]
 
@@ -231,16 +231,11 @@ class SharedStore(Store):
 
     def prepare_writes(
         self, layers: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
-    ) -> ArenaWrites:
+    ) -> ArenaWrites | None:
         """Every layer's copies of a save, checked now, all at once (``kvflow.pool.prepared``):
         raises as ``batch_copy`` would for bad input, and StoreUnavailableError while
-        disconnected."""
-        checked = [(pool, local, sizes) for pool, local, sizes in layers]
-        for pool, local, sizes in checked:
-            check_copy_arrays(pool, local, sizes)
-        whole = ArenaWrites.joined(checked)
-        self._regions.check(whole[1], whole[2])
-        return ArenaWrites(self._link, checked, whole, self._native_copy)
+        disconnected. No I/O: one short hold of the link's copy lock."""
+        return ArenaWrites.prepare(self._link, self._regions, layers, self._native_copy)
 
     def _copy(
         self,

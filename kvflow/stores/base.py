@@ -138,7 +138,10 @@ class StoreUsage:
 
 
 class PreparedWrites(Protocol):
-    """A save's copies, checked once for all its layers (``Store.prepare_writes``)."""
+    """A save's copies, checked once for all its layers (``Store.prepare_writes``). ``copy``
+    is thread-safe and takes the layers in any order, each as often as a caller asks; once
+    the session is finished its ranges fail (the slots are gone), and after the store's
+    ``close`` it raises ClosedError."""
 
     def copy(self, layer: int) -> np.ndarray:
         """``batch_copy`` of layer ``layer``'s ranges to the pool: the indices that failed."""
@@ -235,7 +238,8 @@ class Store(ABC):
         local_addrs, sizes)`` each), their arguments checked now, once, instead of at every
         call (bad input raises here, as ``batch_copy`` would); None (this default): not
         offered, the caller calls ``batch_copy``. The result's ``copy(i)`` fails the ranges
-        whose write slots are gone by then, as ``batch_copy`` does. A wrapper does not forward
+        whose write slots are gone by then, as ``batch_copy`` does. The engine calls it on its
+        event loop when a save opens: it must not block (no I/O). A wrapper does not forward
         it (``StoreWrapper``): the wrapper's own ``batch_copy`` must run."""
         return None
 

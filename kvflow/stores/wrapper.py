@@ -1,4 +1,5 @@
-"""StoreWrapper: a Store that forwards every call to another, abilities included.
+"""StoreWrapper: a Store that forwards every call to another, abilities included (all but
+``prepare_writes``, below).
 
 A store that counts, injects faults, or shares one pool between owners wraps the real store and
 changes one or two calls; everything else must reach the inner store unchanged, the optional
@@ -8,7 +9,9 @@ Subclass ``StoreWrapper`` and override only what changes. A subclass that change
 (``open_read``) changes its context form (``open_read_with_context``) too where it matters: the
 engine makes the context form whenever a batch names chunks before its own. One that makes
 ``batch_copy`` wait on anything but memory (a socket, a lock held long, a fault that stalls)
-sets ``saves_in_memory`` False: a save's copy may run on the caller's thread.
+sets ``saves_in_memory`` False: a save's copy may run on the caller's thread. ``prepare_writes``
+is the one ability not forwarded (it answers None): prepared copies go to the inner store
+straight, and the wrapper's own ``batch_copy`` must run.
 
 Concurrency: whatever the inner store promises (see ``kvflow.stores.base``); the wrapper adds
 no state of its own.
@@ -26,8 +29,8 @@ __all__ = ["StoreWrapper"]
 
 
 class StoreWrapper(Store):
-    """Forwards every Store call to ``inner``; ``inline_metadata``, ``device_memory`` and
-    ``saves_in_memory`` are ``inner``'s."""
+    """Forwards every Store call to ``inner`` but ``prepare_writes``; ``inline_metadata``,
+    ``device_memory`` and ``saves_in_memory`` are ``inner``'s."""
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner

@@ -375,7 +375,9 @@ def test_a_sync_caller_that_gives_up_after_a_timeout_holds_nothing(
     # stored with the default timeouts: a stall of the machine must not fail the setup
     with kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK)) as e:
         assert e.save(tokens, np.arange(4)).ok
-    cfg = kvflow.EngineConfig(chunk_blocks=CHUNK, save_backlog=1, copy_timeout_s=0.5)
+    cfg = kvflow.EngineConfig(  # each layer to the copy thread: layer_written can wait
+        chunk_blocks=CHUNK, save_backlog=1, copy_timeout_s=0.5, deferred_saves=False
+    )
     with kvflow.SyncTransferEngine(layout, store, cfg) as e:
         fresh = tokens_for(2, seed=11)
         direction = Direction.FROM_POOL if op in ("wait_layer", "load") else Direction.TO_POOL

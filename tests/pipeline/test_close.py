@@ -6,6 +6,7 @@ straggler: no clock decides what a test sees."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Iterator
 
@@ -97,7 +98,7 @@ def test_close_with_wait_gives_up_on_a_stuck_load_copy_and_says_so(store: Wrappe
 def test_close_with_wait_gives_up_on_a_stuck_save_copy_and_stores_nothing(
     store: WrappedStore,
 ) -> None:
-    engine = sync_engine(store, SHORT)
+    engine = sync_engine(store, dataclasses.replace(SHORT, deferred_saves=False))  # copy now
     gate = held_at(store, Direction.TO_POOL)
     other = np.arange(100, 100 + 2 * BS)
     save = engine.start_save([(other, [2, 3])])

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import kvflow
 import kvflow.pipeline.handles as handles
@@ -23,7 +22,14 @@ from kvflow.errors import StoreError
 from kvflow.results import ChunkStatus
 from tests.support.pools import ARENA_STORE_NAMES
 from tests.support.waits import wait_until
-from tests.support.wrappers import Parts, WrappedStore, wrapped_parts
+from tests.support.wrappers import (
+    Parts,
+    SaveCopies,
+    WrappedStore,
+    loads_back,
+    sync_released,
+    wrapped_parts,
+)
 
 BS = 16
 CHUNK = 2
@@ -55,64 +61,24 @@ def tokens_for(chunks: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, chunks * CHUNK * BS)
 
 
-class Threads:
-    """Records the thread of every save's copy; ``fail``: per save copy (from 0), the range
-    indices to report failed, or an exception to raise."""
-
-    def __init__(self, store: WrappedStore, fail: dict[int, Any] | None = None) -> None:
-        self.seen: list[int] = []
-        self.fail = fail or {}
-        store.before_copy = self
-
-    def __call__(self, direction: Direction, *args: Any) -> Any:
-        if direction != Direction.TO_POOL:
-            return None
-        nth = len(self.seen)
-        self.seen.append(threading.get_ident())
-        outcome = self.fail.get(nth)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-
 def engine(layout: kvflow.KVLayout, store: WrappedStore, **cfg: Any) -> kvflow.SyncTransferEngine:
     return kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=CHUNK, **cfg))
-
-
-def sync_released(e: kvflow.SyncTransferEngine, store: WrappedStore) -> None:
-    """The engine holds nothing in the pool any more (polled: a batch ends on the loop)."""
-
-    def idle() -> bool:
-        usage = store.usage()
-        assert usage is not None
-        batches = e.engine._runtime.batches
-        return not batches and (usage.leases, usage.pending_writes, usage.open_sessions) == (0,) * 3
-
-    wait_until(idle, HOLD_S, "the engine's batches to end and give back their slots")
-
-
-def loads_back(e: kvflow.SyncTransferEngine, caches: list[torch.Tensor], tokens: Any) -> None:
-    for c in caches:
-        c[10:14].zero_()
-    assert e.load(tokens, np.arange(10, 14)).ok
-    for c in caches:
-        assert torch.equal(c[10:14].view(torch.uint8), c[0:4].view(torch.uint8))
 
 
 def test_each_layer_is_copied_before_layer_written_returns_on_the_callers_thread(
     parts: Parts, hops: list[int]
 ) -> None:
     caches, layout, store = parts
-    threads = Threads(store)
+    copies = SaveCopies(store)
     tokens = tokens_for(2)
     with engine(layout, store) as e:
         with e.start_save([(tokens, np.arange(4))]) as save:
             for layer in range(LAYERS):
                 save.layer_written(layer)
-                assert len(threads.seen) == layer + 1  # copied already
+                assert len(copies.seen) == layer + 1  # copied already
             result = save.wait()
         assert result.ok and result.count(ChunkStatus.OK) == 2
-        assert threads.seen == [threading.get_ident()] * LAYERS
+        assert copies.seen == [threading.get_ident()] * LAYERS
         assert hops == [LAYERS]  # one hop to the loop, after the last layer
         loads_back(e, caches, tokens)
         sync_released(e, store)
@@ -125,18 +91,18 @@ def test_saves_go_to_the_copy_thread_when_off_or_when_the_store_may_wait(
     caches, layout, store = parts
     if why == "store":
         store.saves_in_memory = False  # as a store whose copy crosses a socket
-    threads = Threads(store)
+    copies = SaveCopies(store)
     tokens = tokens_for(2)
     with engine(layout, store, inline_saves=why != "off") as e:
         assert e.save(tokens, np.arange(4)).ok
-        assert len(threads.seen) == LAYERS
-        assert threading.get_ident() not in threads.seen
+        assert len(copies.seen) == LAYERS
+        assert threading.get_ident() not in copies.seen
         loads_back(e, caches, tokens)
 
 
 def test_a_failed_inline_copy_fails_its_own_chunk_only(parts: Parts) -> None:
     caches, layout, store = parts
-    Threads(store, fail={1: [0]})  # layer 1's first range: the first chunk's
+    SaveCopies(store, fail={1: [0]})  # layer 1's first range: the first chunk's
     tokens = tokens_for(2)
     with engine(layout, store) as e:
         result = e.save(tokens, np.arange(4))
@@ -150,7 +116,7 @@ def test_an_inline_copy_that_raises_fails_the_layers_chunks_and_the_caller_goes_
     parts: Parts,
 ) -> None:
     caches, layout, store = parts
-    Threads(store, fail={2: StoreError("the copy could not start")})
+    SaveCopies(store, fail={2: StoreError("the copy could not start")})
     tokens = tokens_for(2)
     with engine(layout, store) as e:
         with e.start_save([(tokens, np.arange(4))]) as save:

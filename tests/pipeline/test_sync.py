@@ -82,7 +82,7 @@ def test_sync_layer_written_returns_at_once_and_blocks_only_at_a_full_backlog(
     store = WrappedStore(make_store(store_name, "8MiB"))
     gate = Gate()
     store.before_copy = gate
-    cfg = kvflow.EngineConfig(chunk_blocks=1, save_backlog=1)
+    cfg = kvflow.EngineConfig(chunk_blocks=1, save_backlog=1, deferred_saves=False)
     with kvflow.SyncTransferEngine(layout, store, cfg) as engine:
         tokens = np.arange(32)
         save = engine.start_save([(tokens, [0, 1])])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvflow
+import kvflow.pool.prepared as prepared_module
 from kvflow.abc import Direction
 from kvflow.errors import ClosedError, InvalidArgumentError
 from kvflow.results import ChunkStatus
@@ -28,6 +29,7 @@ from tests.support.objects import (
     write_objects,
 )
 from tests.support.pools import ServedSharedStore, dispose
+from tests.support.waits import wait_until
 
 HALF = OBJ_BYTES // 2
 
@@ -82,7 +84,13 @@ def test_a_range_whose_slot_was_given_up_fails_and_writes_nothing(
     gone_layers = store.prepare_writes(halves(given_up, src[OBJ_BYTES:]))
     assert kept_layers is not None and gone_layers is not None
     store.finish_write(given_up, np.zeros(1, dtype=bool))  # aborted: its slot is free again
-    write_objects(store, {"other": content("other")})  # most likely in that very slot
+    other = store.open_write(["other"], OBJ_BYTES)
+    assert other.addrs[0] == given_up.addrs[0]  # the very slot the prepared copies name
+    staged = alloc_registered(store, OBJ_BYTES)
+    staged[:] = content("other")
+    pool, local, sizes = i64(other.addrs), i64([addr(staged)]), i64([OBJ_BYTES])
+    assert store.batch_copy(pool, local, sizes, Direction.TO_POOL).size == 0
+    store.finish_write(other, np.ones(1, dtype=bool))
     assert gone_layers.copy(0).tolist() == [0]
     assert gone_layers.copy(1).tolist() == [0]
     np.testing.assert_array_equal(
@@ -94,16 +102,49 @@ def test_a_range_whose_slot_was_given_up_fails_and_writes_nothing(
     np.testing.assert_array_equal(read_objects(store, ["kept"], OBJ_BYTES)["kept"], content("kept"))
 
 
-def test_after_the_connection_is_lost_every_range_fails(store: ServedSharedStore) -> None:
+@pytest.mark.parametrize("how", ["dropped", "server gone"])
+def test_after_the_connection_is_lost_every_range_fails(store: ServedSharedStore, how: str) -> None:
+    """Dropped by a call that found the server gone, or not yet noticed by any call."""
     src = alloc_registered(store, 2 * OBJ_BYTES)
     session = store.open_write(["a", "b"], OBJ_BYTES)
     prepared = store.prepare_writes(halves(session, src))
     assert prepared is not None
     store.stop_server()
-    with pytest.raises(kvflow.StoreUnavailableError):
-        store.lookup(["a"])  # finds the server gone: the connection and its slots are dropped
+    if how == "dropped":
+        with pytest.raises(kvflow.StoreUnavailableError):
+            store.lookup(["a"])  # finds the server gone: the connection and its slots go
+    else:
+        wait_until(lambda: store._conn is not None and store._conn.peer_gone(), 60, "the close")
     assert prepared.copy(0).tolist() == [0, 1]
     assert store._link.in_flight == 0
+
+
+def test_a_copy_is_in_flight_while_it_runs_and_uses_what_was_checked(
+    store: ServedSharedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dropped connection waits for copies in flight before its memory goes: a prepared copy
+    counts as one while it runs. The arrays checked are the ones copied: changing the
+    caller's afterwards changes nothing."""
+    src = alloc_registered(store, OBJ_BYTES)
+    src[:] = content("a")
+    session = store.open_write(["a"], OBJ_BYTES)
+    layers = halves(session, src)
+    prepared = store.prepare_writes(layers)
+    assert prepared is not None
+    for _, local, _ in layers:
+        local[:] = 1 << 40  # the caller's arrays now point outside every registered region
+    seen: list[int] = []
+    copy_ranges = prepared_module.copy_ranges
+
+    def watched(*args: object, **kwargs: object) -> None:
+        seen.append(store._link.in_flight)
+        copy_ranges(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prepared_module, "copy_ranges", watched)
+    assert prepared.copy(0).size == 0 and prepared.copy(1).size == 0
+    assert seen == [1, 1] and store._link.in_flight == 0
+    store.finish_write(session, np.ones(1, dtype=bool))
+    np.testing.assert_array_equal(read_objects(store, ["a"], OBJ_BYTES)["a"], content("a"))
 
 
 @pytest.mark.parametrize(
@@ -146,8 +187,10 @@ def test_a_layer_out_of_range_and_a_closed_store_are_refused(store: ServedShared
     store.close()
     with pytest.raises(ClosedError):
         prepared.copy(0)
+    assert store._link.in_flight == 0
     with pytest.raises(ClosedError):
         store.prepare_writes(halves(session, src))
+    assert store.prepare_writes([]) is None
 
 
 def test_a_wrapper_offers_none_so_its_batch_copy_runs(store: ServedSharedStore) -> None:
@@ -185,18 +228,24 @@ class FailingLayer(ServedSharedStore):
         return super().batch_copy(pool_addrs, local_addrs, sizes, direction)
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["inline", "copy-thread"])
-def test_the_engines_saves_use_them_and_a_failed_chunk_is_not_committed(inline: bool) -> None:
+@pytest.mark.parametrize("mode", ["inline", "copy-thread", "deferred"])
+def test_the_engines_saves_use_them_and_a_failed_chunk_is_not_committed(mode: str) -> None:
     """A save's layers go through the prepared copies. One that fails a chunk fails it in the
-    result, the other chunks are committed and the failed one is not. On the copy thread the
-    layers after it go through ``batch_copy`` without that chunk's ranges (one layer copied
-    at a time: ``save_backlog=1``); inline, every layer is settled after the last one."""
+    result, the other chunks are committed and the failed one is not. Through the copy thread
+    one layer at a time (``save_backlog=1``), the layers after it go through ``batch_copy``
+    without that chunk's ranges; inline, every layer is settled after the last one; deferred,
+    the layers reach the copy thread together, so those after it may or may not be copied
+    before the failure is known."""
     layers, bs, chunk = 4, 16, 2
     store = FailingLayer(16 << 20, fail_layer=1)
     caches = [torch.randn(2, 8, bs, 2, 8) for _ in range(layers)]
     layout = kvflow.KVLayout.from_kv_split_tensors(caches, block_size=bs)
     config = kvflow.EngineConfig(
-        model="prepared", chunk_blocks=chunk, inline_saves=inline, save_backlog=1
+        model="prepared",
+        chunk_blocks=chunk,
+        inline_saves=mode == "inline",
+        deferred_saves=mode == "deferred",
+        save_backlog=1,
     )
     engine = kvflow.SyncTransferEngine(layout, store, config)
     try:
@@ -205,16 +254,54 @@ def test_the_engines_saves_use_them_and_a_failed_chunk_is_not_committed(inline: 
         for layer in range(layers):
             handle.layer_written(layer)
         result = handle.wait()
-        if inline:
+        if mode == "inline":
             assert store.prepared_copies == [0, 1, 2, 3] and store.batch_copies == []
-        else:
+        elif mode == "copy-thread":
             assert store.prepared_copies == [0, 1]
             # a chunk's two adjacent blocks make one range of K and one of V: 2 of 3 chunks left
             assert store.batch_copies == [2 * 2, 2 * 2]
+        else:
+            assert {0, 1} <= set(store.prepared_copies)
+            assert len(store.prepared_copies) + len(store.batch_copies) == layers
+            assert set(store.batch_copies) <= {2 * 2}
         status = result.requests[0].chunk_status.tolist()
         assert status == [ChunkStatus.FAILED, ChunkStatus.OK, ChunkStatus.OK]
         keys = engine.engine.plan([(tokens, blocks)], load=False).keys
         assert store.lookup(keys).tolist() == [False, True, True]
+    finally:
+        engine.close()
+        dispose(store)
+
+
+class Unprepared(ServedSharedStore):
+    """The real pool, whose ``prepare_writes`` finds it unavailable (a test's fault)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.batch_copies = 0
+
+    def prepare_writes(self, layers):  # type: ignore[no-untyped-def]
+        raise kvflow.StoreUnavailableError("not now")
+
+    def batch_copy(self, pool_addrs, local_addrs, sizes, direction):  # type: ignore[no-untyped-def]
+        self.batch_copies += 1
+        return super().batch_copy(pool_addrs, local_addrs, sizes, direction)
+
+
+def test_a_save_whose_preparation_fails_copies_layer_by_layer() -> None:
+    layers, bs = 4, 16
+    store = Unprepared(16 << 20)
+    caches = [torch.randn(2, 8, bs, 2, 8) for _ in range(layers)]
+    layout = kvflow.KVLayout.from_kv_split_tensors(caches, block_size=bs)
+    engine = kvflow.SyncTransferEngine(layout, store, kvflow.EngineConfig(chunk_blocks=2))
+    try:
+        tokens, blocks = np.arange(2 * 2 * bs), np.arange(4)
+        handle = engine.start_save([(tokens, blocks)])
+        for layer in range(layers):
+            handle.layer_written(layer)
+        assert handle.wait().ok
+        assert store.batch_copies == layers
+        assert engine.lookup(tokens) == len(tokens)
     finally:
         engine.close()
         dispose(store)

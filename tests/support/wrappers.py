@@ -1,10 +1,13 @@
 """A store wrapper for engine tests: a real LocalStore, counted, with a hook before each copy.
 
-No fake pool: the hook changes only the copies a test chooses (stall, fail, raise).
+No fake pool: the hook changes only the copies a test chooses (stall, fail, raise). Beside it,
+what the save tests share: a hook that records which thread copied each save's layer
+(``SaveCopies``), the engine's slots all given back, and saved blocks loaded back bit-exact.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +20,7 @@ from kvflow.abc import Direction, Store
 from kvflow.testing import InstrumentedStore
 from tests.support.caches import make_caches
 from tests.support.pools import dispose, make_store
+from tests.support.waits import wait_until
 
 
 class WrappedStore(InstrumentedStore):
@@ -63,3 +67,43 @@ def wrapped_parts(
         yield caches, layout, store
     finally:
         dispose(store)
+
+
+class SaveCopies:
+    """Records the thread of every save's copy; ``fail``: per save copy (from 0), the range
+    indices to report failed, or an exception to raise."""
+
+    def __init__(self, store: WrappedStore, fail: dict[int, Any] | None = None) -> None:
+        self.seen: list[int] = []
+        self.fail = fail or {}
+        store.before_copy = self
+
+    def __call__(self, direction: Direction, *args: Any) -> Any:
+        if direction != Direction.TO_POOL:
+            return None
+        nth = len(self.seen)
+        self.seen.append(threading.get_ident())
+        outcome = self.fail.get(nth)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+def sync_released(e: kvflow.SyncTransferEngine, store: WrappedStore) -> None:
+    """The engine holds nothing in the pool any more (polled: a batch ends on the loop)."""
+
+    def idle() -> bool:
+        usage = store.usage()
+        assert usage is not None
+        batches = e.engine._runtime.batches
+        return not batches and (usage.leases, usage.pending_writes, usage.open_sessions) == (0,) * 3
+
+    wait_until(idle, 60.0, "the engine's batches to end and give back their slots")
+
+
+def loads_back(e: kvflow.SyncTransferEngine, caches: list[torch.Tensor], tokens: Any) -> None:
+    for c in caches:
+        c[10:14].zero_()
+    assert e.load(tokens, np.arange(10, 14)).ok
+    for c in caches:
+        assert torch.equal(c[10:14].view(torch.uint8), c[0:4].view(torch.uint8))

@@ -70,7 +70,7 @@ class ConnectorConfig(Config):
             also stores the prompt chunks it computed itself (as vLLM's
             ``MooncakeStoreConnector``'s key of the same name).
         prefetch_layers, save_backlog, copy_threads, op_timeout_s, copy_timeout_s,
-            inline_saves: the TransferEngine's (``EngineConfig``).
+            inline_saves, deferred_saves: the TransferEngine's (``EngineConfig``).
         copy_cpus: CPUs the copy threads (and a worker's Mooncake client threads) are pinned
             to; ``"auto"`` (the default): with KV caches in host memory, the CPUs of vLLM's
             own set that none of the worker's threads is bound to (``kvflow.spare_cpus``:
@@ -107,6 +107,7 @@ class ConnectorConfig(Config):
     op_timeout_s: float = seconds(default=DEFAULT_OP_TIMEOUT_S)
     copy_timeout_s: float = seconds(default=DEFAULT_COPY_TIMEOUT_S)
     inline_saves: bool = flag(default=True)
+    deferred_saves: bool = flag(default=True)
     lookup_timeout_s: float = seconds(default=2.0)
     model: str = text(default="")
     debug_corrupt_loads: bool = flag(default=False)
@@ -175,6 +176,7 @@ class ConnectorConfig(Config):
             op_timeout_s=self.op_timeout_s,
             copy_timeout_s=self.copy_timeout_s,
             inline_saves=self.inline_saves,
+            deferred_saves=self.deferred_saves,
         )
 
     def shared_config(self) -> SharedStoreConfig:

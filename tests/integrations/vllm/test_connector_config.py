@@ -62,6 +62,7 @@ def test_defaults(extra: dict[str, Any] | None) -> None:
     assert config.copy_cpus == "auto"
     assert config.lookup_timeout_s == 2.0
     assert config.inline_saves is True
+    assert config.deferred_saves is True
     assert config.model == ""
     assert config.debug_corrupt_loads is False
     assert config.shared_config().auto_start is True
@@ -93,6 +94,7 @@ def test_every_key_is_accepted() -> None:
         "op_timeout_s": 7.5,
         "copy_timeout_s": 3,
         "inline_saves": False,
+        "deferred_saves": False,
         "lookup_timeout_s": 0.25,
         "model": "tiny",
         "debug_corrupt_loads": True,
@@ -304,6 +306,7 @@ def test_engine_config_carries_the_engine_fields() -> None:
             "op_timeout_s": 12.5,
             "copy_timeout_s": 4.0,
             "inline_saves": False,
+            "deferred_saves": False,
         }
     )
 
@@ -319,8 +322,9 @@ def test_engine_config_carries_the_engine_fields() -> None:
     assert engine.copy_cpus == (cpu,)
     assert engine.op_timeout_s == 12.5
     assert engine.copy_timeout_s == 4.0
-    assert engine.inline_saves is False
-    assert ConnectorConfig().engine_config(block_size=32, model="m").inline_saves is True
+    assert engine.inline_saves is False and engine.deferred_saves is False
+    default = ConnectorConfig().engine_config(block_size=32, model="m")
+    assert default.inline_saves is True and default.deferred_saves is True
 
 
 def test_engine_config_model_key_overrides_the_served_name() -> None:
