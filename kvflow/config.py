@@ -64,7 +64,8 @@ class EngineConfig(Config):
         chunk_blocks: blocks per pool object (one key per chunk, all layers inside).
         prefetch_layers: a load copies at most this many layers ahead of the consumer.
         save_backlog: a save holds at most this many written-but-not-copied layers; the
-            producer waits in ``layer_written`` beyond that.
+            producer waits in ``layer_written`` beyond that (inline and deferred saves, below,
+            take no slot).
         copy_threads: threads of the copy executor.
         copy_cpus: CPUs the copy threads pin themselves to (empty: no pinning).
         max_transfer_bytes: coalesced ranges above this are split (accepts "64MiB").
@@ -77,10 +78,11 @@ class EngineConfig(Config):
             take the GIL from it at every torch op (``benchmarks/save_interference.py``).
             False: every layer goes to the copy thread.
         deferred_saves: with ``SyncTransferEngine`` on host memory where inline saves do not
-            apply (a store whose save may wait: Mooncake, memcache, a wrapper), the written
-            layers reach the loop and the copy threads together after the last one, in one
-            hop, instead of one by one beside the forward (the GIL, as above); their copies
-            then run while the caller waits for the save. False: each layer as it is written.
+            apply (a store whose save may wait: Mooncake, memcache, a wrapper; or
+            ``inline_saves`` off), the written layers reach the loop and the copy threads
+            together after the last one, in one hop, instead of one by one beside the forward
+            (the GIL, as above); their copies then run while the caller waits for the save,
+            within that wait's timeout. False: each layer as it is written.
     """
 
     model: str = text(default="default", empty=False)

@@ -176,7 +176,9 @@ class _Backlog:
 
 class SaveHandle(BatchTransfer):
     """A batch being saved layer by layer. Call ``layer_written(i)`` when layer i is in device
-    memory; at most ``save_backlog`` layers wait to be copied before the call itself waits."""
+    memory; at most ``save_backlog`` layers wait to be copied before the call itself waits
+    (``SyncTransferEngine``'s inline and deferred saves take no slot: see ``_copy_written``,
+    ``_defer_written``)."""
 
     direction = Direction.TO_POOL
     _blocks_stat = "blocks_saved"
@@ -213,8 +215,8 @@ class SaveHandle(BatchTransfer):
 
     async def _next_layer(self) -> tuple[int, Any]:
         """The next layer written; fails once the producer has been silent ``op_timeout_s``
-        (with inline saves its layers come after the last one, and each copy it makes is
-        word from it)."""
+        (with inline or deferred saves its layers come after the last one, and each layer it
+        copies or keeps is word from it)."""
         limit = wait = self._runtime.config.op_timeout_s
         while (item := await get_within(self._written, wait)) is None:
             wait = limit - (time.monotonic() - self._written_at)
@@ -233,7 +235,10 @@ class SaveHandle(BatchTransfer):
 
     @property
     def backlog(self) -> int:
-        """Layers written but not yet copied (never more than ``save_backlog``)."""
+        """Layers written but not yet copied: never more than ``save_backlog`` through the copy
+        thread layer by layer; inline or deferred saves (which take no slot) count them."""
+        if self._slotless:
+            return max(0, len(self._seen) - self._copied)
         return max(0, self._runtime.config.save_backlog - self._backlog.free)
 
     @property
@@ -322,7 +327,12 @@ class SaveHandle(BatchTransfer):
         slot is free (at most ``limit`` seconds; a closed batch's loop drops it)."""
         if not self._backlog.take_blocking(limit):
             self._unclaim(layer, limit)
-        self._loop.call_soon_threadsafe(self._queue_layer, layer, token)
+        if self._closed:  # _abort woke it: the slots are all given back
+            raise ClosedError("SaveHandle")
+        try:
+            self._loop.call_soon_threadsafe(self._queue_layer, layer, token)
+        except RuntimeError:  # the engine's loop is closed
+            raise ClosedError("SaveHandle") from None
 
     def _defer_written(self, layer: int, token: Any) -> None:
         """On the producer's thread, for a claimed layer (``EngineConfig.deferred_saves``):
@@ -356,6 +366,7 @@ class SaveHandle(BatchTransfer):
         for as the copy threads' are (in ``_futures``, and ``_submitted`` for ``_ended``)."""
         with self._claims:
             super()._mark_settled()
+            self._deferred = []  # never handed over now
             if self._running_here:
                 self._here_done = concurrent.futures.Future()
                 self._here_done.set_running_or_notify_cancel()

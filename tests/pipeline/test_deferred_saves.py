@@ -15,11 +15,19 @@ import numpy as np
 import pytest
 
 import kvflow
-import kvflow.pipeline.handles as handles
 from kvflow.results import ChunkStatus
 from tests.support.pools import ARENA_STORE_NAMES
 from tests.support.waits import wait_until
-from tests.support.wrappers import Parts, SaveCopies, loads_back, sync_released, wrapped_parts
+from tests.support.wrappers import (
+    Parts,
+    SaveCopies,
+    hand_overs,
+    loads_back,
+    random_tokens,
+    save_by_layers,
+    sync_released,
+    wrapped_parts,
+)
 
 BS = 16
 CHUNK = 2
@@ -35,19 +43,11 @@ def parts(request: pytest.FixtureRequest) -> Iterator[Parts]:
 @pytest.fixture
 def hops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many layers each hand-over of deferred layers to the loop carried."""
-    carried: list[int] = []
-    queue_deferred = handles.SaveHandle._queue_deferred
-
-    def counted(self: handles.SaveHandle, layers: Any) -> None:
-        carried.append(len(layers))
-        queue_deferred(self, layers)
-
-    monkeypatch.setattr(handles.SaveHandle, "_queue_deferred", counted)
-    return carried
+    return hand_overs(monkeypatch, "_queue_deferred")
 
 
 def tokens_for(chunks: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30_000, chunks * CHUNK * BS)
+    return random_tokens(chunks * CHUNK * BS, seed)
 
 
 def engine(parts: Parts, **cfg: Any) -> kvflow.SyncTransferEngine:
@@ -93,7 +93,7 @@ def test_a_failed_copy_fails_its_own_chunk_only(parts: Parts) -> None:
     SaveCopies(store, fail={1: [0]})  # layer 1's first range: the first chunk's
     tokens = tokens_for(2)
     with engine(parts) as e:
-        result = e.save(tokens, np.arange(4))
+        result = save_by_layers(e, tokens, np.arange(4), LAYERS)
         assert result.requests[0].chunk_status.tolist() == [ChunkStatus.FAILED, ChunkStatus.OK]
         assert e.lookup(tokens) == 0 and e.engine.stats().failed_chunks == 1
         sync_released(e, store)
@@ -106,15 +106,15 @@ def test_a_producer_that_stops_writing_fails_the_batch_and_holds_nothing(parts: 
     copies = SaveCopies(store)
     tokens = tokens_for(2)
     with engine(parts, op_timeout_s=0.5) as e:
-        save = e.start_save([(tokens, np.arange(4))])
-        save.layer_written(0)
-        save.layer_written(1)
+        save = e.start_save([(tokens, np.arange(4))], timeout=60)
+        save.layer_written(0, timeout=60)
+        save.layer_written(1, timeout=60)
         result = save.wait(timeout=60)
         assert result.count(ChunkStatus.FAILED) == 2 and copies.seen == []
         with pytest.raises(kvflow.ClosedError):
-            save.layer_written(2)
+            save.layer_written(2, timeout=60)
         sync_released(e, store)
-        assert e.lookup(tokens) == 0
+        assert e.lookup(tokens, timeout=60) == 0
 
 
 def test_a_batch_closed_before_its_last_layer_holds_nothing(parts: Parts) -> None:

@@ -26,7 +26,10 @@ from tests.support.wrappers import (
     Parts,
     SaveCopies,
     WrappedStore,
+    hand_overs,
     loads_back,
+    random_tokens,
+    save_by_layers,
     sync_released,
     wrapped_parts,
 )
@@ -46,19 +49,11 @@ def parts(request: pytest.FixtureRequest) -> Iterator[Parts]:
 @pytest.fixture
 def hops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many layers each hand-over of copied layers to the loop carried."""
-    carried: list[int] = []
-    queue_copied = handles.SaveHandle._queue_copied
-
-    def counted(self: handles.SaveHandle, layers: Any) -> None:
-        carried.append(len(layers))
-        queue_copied(self, layers)
-
-    monkeypatch.setattr(handles.SaveHandle, "_queue_copied", counted)
-    return carried
+    return hand_overs(monkeypatch, "_queue_copied")
 
 
 def tokens_for(chunks: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30_000, chunks * CHUNK * BS)
+    return random_tokens(chunks * CHUNK * BS, seed)
 
 
 def engine(layout: kvflow.KVLayout, store: WrappedStore, **cfg: Any) -> kvflow.SyncTransferEngine:
@@ -94,7 +89,7 @@ def test_saves_go_to_the_copy_thread_when_off_or_when_the_store_may_wait(
     copies = SaveCopies(store)
     tokens = tokens_for(2)
     with engine(layout, store, inline_saves=why != "off") as e:
-        assert e.save(tokens, np.arange(4)).ok
+        assert save_by_layers(e, tokens, np.arange(4), LAYERS).ok
         assert len(copies.seen) == LAYERS
         assert threading.get_ident() not in copies.seen
         loads_back(e, caches, tokens)
@@ -105,7 +100,7 @@ def test_a_failed_inline_copy_fails_its_own_chunk_only(parts: Parts) -> None:
     SaveCopies(store, fail={1: [0]})  # layer 1's first range: the first chunk's
     tokens = tokens_for(2)
     with engine(layout, store) as e:
-        result = e.save(tokens, np.arange(4))
+        result = save_by_layers(e, tokens, np.arange(4), LAYERS)
         assert result.requests[0].chunk_status.tolist() == [ChunkStatus.FAILED, ChunkStatus.OK]
         assert e.lookup(tokens) == 0  # a prefix's first chunk lost: nothing of it hits
         assert e.engine.stats().failed_chunks == 1

@@ -17,6 +17,7 @@ import torch
 
 import kvflow
 from kvflow.abc import Direction, Store
+from kvflow.pipeline.handles import SaveHandle
 from kvflow.testing import InstrumentedStore
 from tests.support.caches import make_caches
 from tests.support.pools import dispose, make_store
@@ -107,3 +108,33 @@ def loads_back(e: kvflow.SyncTransferEngine, caches: list[torch.Tensor], tokens:
     assert e.load(tokens, np.arange(10, 14)).ok
     for c in caches:
         assert torch.equal(c[10:14].view(torch.uint8), c[0:4].view(torch.uint8))
+
+
+def save_by_layers(
+    e: kvflow.SyncTransferEngine, tokens: Any, blocks: Any, layers: int
+) -> kvflow.TransferResult:
+    """Save as an inference worker does, through ``start_save`` and ``layer_written`` (the
+    path inline and deferred saves take; ``SyncTransferEngine.save`` is the async engine's)."""
+    with e.start_save([(tokens, blocks)]) as save:
+        for layer in range(layers):
+            save.layer_written(layer, timeout=60)
+        return save.wait(timeout=60)
+
+
+def hand_overs(monkeypatch: Any, method: str) -> list[int]:
+    """How many layers each call of ``SaveHandle.<method>`` (a hand-over of a producer's layers
+    to the engine's loop: ``_queue_copied``, ``_queue_deferred``) carried, in order."""
+    carried: list[int] = []
+    queue = getattr(SaveHandle, method)
+
+    def counted(self: SaveHandle, layers: Any) -> None:
+        carried.append(len(layers))
+        queue(self, layers)
+
+    monkeypatch.setattr(SaveHandle, method, counted)
+    return carried
+
+
+def random_tokens(count: int, seed: int = 0) -> np.ndarray:
+    """``count`` token ids no other seed's prompt shares."""
+    return np.random.default_rng(seed).integers(0, 30_000, count)
