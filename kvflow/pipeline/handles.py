@@ -237,8 +237,9 @@ class SaveHandle(BatchTransfer):
     def backlog(self) -> int:
         """Layers written but not yet copied: never more than ``save_backlog`` through the copy
         thread layer by layer; inline or deferred saves (which take no slot) count them."""
-        if self._slotless:
-            return max(0, len(self._seen) - self._copied)
+        if self._slotless:  # copied on the producer's thread (inline), or by the driver
+            done = max(self._copied, self._started_here - self._running_here)
+            return max(0, len(self._seen) - done)
         return max(0, self._runtime.config.save_backlog - self._backlog.free)
 
     @property

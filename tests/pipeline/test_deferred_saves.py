@@ -132,3 +132,19 @@ def test_a_batch_closed_before_its_last_layer_holds_nothing(parts: Parts) -> Non
         assert e.lookup(tokens) == 0
         assert e.save(tokens, np.arange(4)).ok  # the engine goes on
         loads_back(e, caches, tokens)
+
+
+def test_the_backlog_counts_the_layers_kept_until_they_are_copied(parts: Parts) -> None:
+    """What the vLLM connector reports as layers still to copy when the forward ends: all of a
+    deferred save's until its copies run (an inline save's: none, each copied already)."""
+    _, _, store = parts
+    tokens = tokens_for(2)
+    with engine(parts) as e:
+        with e.start_save([(tokens, np.arange(4))], timeout=60) as save:
+            for layer in range(LAYERS - 1):
+                save.layer_written(layer, timeout=60)
+            assert save.handle.backlog == LAYERS - 1
+            save.layer_written(LAYERS - 1, timeout=60)
+            assert save.wait(timeout=60).ok
+            assert save.handle.backlog == 0
+        sync_released(e, store)

@@ -71,6 +71,7 @@ def test_each_layer_is_copied_before_layer_written_returns_on_the_callers_thread
             for layer in range(LAYERS):
                 save.layer_written(layer)
                 assert len(copies.seen) == layer + 1  # copied already
+                assert save.handle.backlog == 0  # nothing left to copy
             result = save.wait()
         assert result.ok and result.count(ChunkStatus.OK) == 2
         assert copies.seen == [threading.get_ident()] * LAYERS
