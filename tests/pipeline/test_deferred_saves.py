@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 import kvflow
+import kvflow.pipeline.handles as handles
 from kvflow.results import ChunkStatus
 from tests.support.pools import ARENA_STORE_NAMES
 from tests.support.waits import wait_until
 from tests.support.wrappers import (
+    HandClock,
     Parts,
     SaveCopies,
     hand_overs,
@@ -147,4 +149,28 @@ def test_the_backlog_counts_the_layers_kept_until_they_are_copied(parts: Parts) 
             save.layer_written(LAYERS - 1, timeout=60)
             assert save.wait(timeout=60).ok
             assert save.handle.backlog == 0
+        sync_released(e, store)
+
+
+def test_each_kept_layer_is_word_from_the_producer(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver hears nothing before the last layer: its patience (``op_timeout_s``, by the
+    handles' clock) runs from the producer's last layer, so a forward longer than
+    ``op_timeout_s`` whose layers each come within it is not failed."""
+    caches, _, store = parts
+    clock = HandClock()
+    monkeypatch.setattr(handles, "time", clock)
+    tokens = tokens_for(2)
+    with engine(parts, op_timeout_s=2.0) as e:
+        with e.start_save([(tokens, np.arange(4))], timeout=60) as save:
+            save.layer_written(0, timeout=60)
+            clock.now += 1.5
+            save.layer_written(1, timeout=60)
+            clock.now += 1.5  # 3 s since the first layer, 1.5 since the last
+            threading.Event().wait(2.5)  # the driver's first check falls in here
+            for layer in range(2, LAYERS):
+                save.layer_written(layer, timeout=60)
+            assert save.wait(timeout=60).ok
+        loads_back(e, caches, tokens)
         sync_released(e, store)

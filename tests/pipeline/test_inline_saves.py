@@ -23,6 +23,7 @@ from kvflow.results import ChunkStatus
 from tests.support.pools import ARENA_STORE_NAMES
 from tests.support.waits import wait_until
 from tests.support.wrappers import (
+    HandClock,
     Parts,
     SaveCopies,
     WrappedStore,
@@ -169,16 +170,6 @@ def test_a_batch_closed_while_its_inline_copy_runs_keeps_its_slots_until_the_cop
         assert e.save(tokens, np.arange(4)).ok
 
 
-class Clock:
-    """The clock the handles read (``handles.time``), moved by hand."""
-
-    now = 1000.0
-
-    @classmethod
-    def monotonic(cls) -> float:
-        return cls.now
-
-
 @pytest.mark.parametrize("silent", [False, True])
 def test_the_driver_waits_for_a_producer_that_copies_and_fails_one_that_is_silent(
     parts: Parts, hops: list[int], monkeypatch: pytest.MonkeyPatch, silent: bool
@@ -187,13 +178,14 @@ def test_the_driver_waits_for_a_producer_that_copies_and_fails_one_that_is_silen
     ``op_timeout_s`` must not fail the batch while its layers are being copied, and a producer
     that stops for ``op_timeout_s`` (by the handles' clock) must, as through the copy thread."""
     caches, layout, store = parts
-    monkeypatch.setattr(handles, "time", Clock)
+    clock = HandClock()
+    monkeypatch.setattr(handles, "time", clock)
     tokens = tokens_for(2)
     with engine(layout, store, op_timeout_s=2.0) as e:
         with e.start_save([(tokens, np.arange(4))], timeout=HOLD_S) as save:
             save.layer_written(0, timeout=HOLD_S)
             if silent:
-                Clock.now += 2.0  # the producer's last copy was op_timeout_s ago
+                clock.now += 2.0  # the producer's last copy was op_timeout_s ago
                 wait_until(save.done, HOLD_S, "the driver to give up on a silent producer")
                 with pytest.raises(kvflow.ClosedError):
                     save.layer_written(1, timeout=HOLD_S)

@@ -138,3 +138,14 @@ def hand_overs(monkeypatch: Any, method: str) -> list[int]:
 def random_tokens(count: int, seed: int = 0) -> np.ndarray:
     """``count`` token ids no other seed's prompt shares."""
     return np.random.default_rng(seed).integers(0, 30_000, count)
+
+
+class HandClock:
+    """A stand-in for the ``time`` module the handles read (``monkeypatch.setattr(handles,
+    "time", clock)``): ``monotonic()`` says ``now``, which only the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
