@@ -28,7 +28,9 @@ layer's save through the copy thread as it is written); ``kvflow_no_tails`` and
 ``kvflow_mooncake_no_tails``, those rows with ``tail_chunks`` off (a hit ends at a whole
 chunk), and ``kvflow_no_tails_floor``, the ``kvflow_floor`` row with it off;
 ``kvflow_mooncake_layer_saves``, kvflow on Mooncake with ``deferred_saves`` off (each layer's
-save handed to the copy thread as it is written, not all after the last).
+save handed to the copy thread as it is written, not all after the last);
+``kvflow_step_saves``, ``kvflow_step_saves_floor`` and ``kvflow_mooncake_step_saves``,
+those rows with ``save_across_steps`` off (every step waits for its own save to end).
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -104,6 +106,9 @@ ON_REQUEST = (
     "kvflow_mooncake_no_tails",
     "kvflow_no_tails_floor",
     "kvflow_mooncake_layer_saves",
+    "kvflow_step_saves",
+    "kvflow_step_saves_floor",
+    "kvflow_mooncake_step_saves",
 )  # and kvflow_chunkN
 # the ``kvflow_*_floor`` rows that do part of the connector's work: what the rest leaves out
 PARTS: dict[str, dict[str, bool]] = {
@@ -209,7 +214,11 @@ def start_rows(
         floor = row.endswith("floor")  # the floor's device KV
         connector = row.removesuffix("_floor")
         off: dict[str, Any] = {}  # what a row's suffix turns off
-        for suffix, setting in (("_no_tails", "tail_chunks"), ("_layer_saves", "deferred_saves")):
+        for suffix, setting in (
+            ("_no_tails", "tail_chunks"),
+            ("_layer_saves", "deferred_saves"),
+            ("_step_saves", "save_across_steps"),
+        ):
             if connector.endswith(suffix):
                 off[setting] = False
             connector = connector.removesuffix(suffix)

@@ -71,6 +71,13 @@ class ConnectorConfig(Config):
             ``MooncakeStoreConnector``'s key of the same name).
         prefetch_layers, save_backlog, copy_threads, op_timeout_s, copy_timeout_s,
             inline_saves, deferred_saves: the TransferEngine's (``EngineConfig``).
+        save_across_steps: a step's save may end (its last copies, its commit) while the next
+            step runs: ``wait_for_save`` leaves it going, and the next step waits for it
+            before its forward only if vLLM freed a block it reads (its request finished or
+            was preempted), else at its own end. Never on a ``kv_producer`` (its answer means
+            its chunks are in the pool), for a request of one output token, with a sliding
+            window (vLLM frees blocks a running request's window left), or where vLLM writes
+            new blocks before the forward (zeroing them: mixed precisions).
         copy_cpus: CPUs the copy threads (and a worker's Mooncake client threads) are pinned
             to; ``"auto"`` (the default): with KV caches in host memory, the CPUs of vLLM's
             own set that none of the worker's threads is bound to (``kvflow.spare_cpus``:
@@ -108,6 +115,7 @@ class ConnectorConfig(Config):
     copy_timeout_s: float = seconds(default=DEFAULT_COPY_TIMEOUT_S)
     inline_saves: bool = flag(default=True)
     deferred_saves: bool = flag(default=True)
+    save_across_steps: bool = flag(default=True)
     lookup_timeout_s: float = seconds(default=2.0)
     model: str = text(default="")
     debug_corrupt_loads: bool = flag(default=False)

@@ -15,13 +15,14 @@ a SyncTransferEngine, layer by layer. They share no memory: the plan travels in
 Scheduler, per step: ``get_num_new_matched_tokens(request)`` for each request it considers
 (the hit, in tokens beyond vLLM's own prefix-cache hit; asked again for a request it could not
 schedule), ``update_state_after_alloc`` once the request's blocks are allocated, then
-``build_connector_meta``: the step's plan. ``request_finished`` when a request ends; its saves
-have ended within their step, so vLLM may free its blocks at once (with several KV cache
-groups, vLLM's hybrid manager, ``request_finished_all_groups``). With a sliding window or
-several groups the hit's load is asynchronous (``get_num_new_matched_tokens`` says so): vLLM
-runs the request once a worker reports the load in (``get_transfer_results``), and
-``update_connector_output`` brings the scheduler the loads that failed, which vLLM computes from
-the first token.
+``build_connector_meta``: the step's plan. ``request_finished`` when a request ends: vLLM may
+free its blocks at once (with several KV cache groups, vLLM's hybrid manager,
+``request_finished_all_groups``), and the next plan names it among the requests whose blocks
+were freed, so that a save still reading them ends before that step's forward. With a
+sliding window or several groups the hit's load is asynchronous (``get_num_new_matched_tokens``
+says so): vLLM runs the request once a worker reports the load in (``get_transfer_results``),
+and ``update_connector_output`` brings the scheduler the loads that failed, which vLLM computes
+from the first token.
 
 Worker: ``register_kv_caches`` once, at start (the layout; the pool opens). Per step, the
 metadata is bound before the forward. The step's load and save start at the first of
@@ -30,8 +31,10 @@ for the pool's session, which opens while the first layers compute;
 ``wait_for_layer_load(layer)`` blocks until that layer is in place (or, with
 ``use_layerwise: false``, the whole load waits before layer 0). ``save_kv_layer(layer)`` hands a
 layer of the step's newly completed chunks to the save as soon as attention wrote it.
-``wait_for_save`` waits for the step's save and load to end (every wait bounded): vLLM may free
-or reuse the blocks afterwards. Chunks that failed to load are reported by
+``wait_for_save`` waits for the step's load to end and for the save (every wait bounded), or,
+with ``save_across_steps``, leaves the save's last copies and commit to run on beside the next
+step: the next step ends it before its forward if vLLM freed a block it reads, else at its own
+end (``worker``). Chunks that failed to load are reported by
 ``get_block_ids_with_load_errors`` (asked before ``wait_for_save``, when vLLM defers it, it
 ends the step itself), and vLLM recomputes them (with ``kv_load_failure_policy:
 "recompute"``) or fails the request (its default, ``"fail"``). ``clear_connector_metadata``
@@ -62,7 +65,7 @@ from kvflow.integrations.vllm.group_workers import GroupWorkers
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.integrations.vllm.metrics import KVFlowConnectorStats, KVFlowPromMetrics
 from kvflow.integrations.vllm.scheduler import KVFlowConnectorScheduler
-from kvflow.integrations.vllm.support import check_supported
+from kvflow.integrations.vllm.support import blocks_written_in_forward_only, check_supported
 from kvflow.integrations.vllm.worker import KVFlowConnectorWorker
 
 if TYPE_CHECKING:
@@ -140,7 +143,12 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_scheduler: KVFlowConnectorScheduler | None = None
         self.connector_worker: KVFlowConnectorWorker | GroupWorkers | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVFlowConnectorScheduler(self.config, groups, kv_role)
+            across = self.config.save_across_steps and blocks_written_in_forward_only(
+                kv_cache_config
+            )
+            self.connector_scheduler = KVFlowConnectorScheduler(
+                self.config, groups, kv_role, save_across_steps=across
+            )
         elif len(groups) == 1:
             self.connector_worker = KVFlowConnectorWorker(self.config, groups[0], vllm_config)
         else:

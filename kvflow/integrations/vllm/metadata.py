@@ -20,8 +20,15 @@ __all__ = ["KVFlowConnectorMetadata"]
 class KVFlowConnectorMetadata(KVConnectorMetadata):
     """One step's plan: the chunks to load into which blocks (``loads``), and the chunks this
     step completes, to save from which blocks (``saves``); ``async_loads``: loads to start
-    now for requests vLLM runs only once they are in (one per request)."""
+    now for requests vLLM runs only once they are in (one per request).
+
+    ``save_waits``: the step's save ends within the step (``wait_for_save``), else it may run
+    on into the next (``ConnectorConfig.save_across_steps``); ``released``: the requests
+    whose blocks vLLM freed since the last step (finished, aborted or preempted), whose save
+    must end before this step's forward may write those blocks."""
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     async_loads: list[Transfer] = field(default_factory=list)
+    save_waits: bool = True
+    released: frozenset[str] = frozenset()

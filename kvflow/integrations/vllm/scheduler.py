@@ -55,9 +55,20 @@ class KVFlowConnectorScheduler:
     """The scheduler side of ``KVFlowConnector``: the pool lookups and the step plans."""
 
     def __init__(
-        self, config: ConnectorConfig, groups: Sequence[CacheGroup], kv_role: str = "kv_both"
+        self,
+        config: ConnectorConfig,
+        groups: Sequence[CacheGroup],
+        kv_role: str = "kv_both",
+        save_across_steps: bool = False,
     ) -> None:
+        """``save_across_steps``: whether a step's save may run on into the next (the
+        connector's setting, where vLLM writes no block before the forward); never on a
+        ``kv_producer``, nor with a sliding window (vLLM frees a running request's blocks as
+        its window moves on, which no plan names)."""
         self.config = config
+        windowed = any(group.window for group in groups)
+        self._across = save_across_steps and kv_role != "kv_producer" and not windowed
+        self._one_token: set[str] = set()  # requests of one output token: saves end in-step
         self.group = groups[0]
         saves = config.saves_as(kv_role)
         log.info(
@@ -137,6 +148,8 @@ class KVFlowConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if getattr(request, "max_tokens", None) == 1:  # a prefill for another instance
+            self._one_token.add(request.request_id)
         asked = self._planner.asked_tokens
         tokens = self._planner.matched_tokens(
             request.request_id,
@@ -194,13 +207,20 @@ class KVFlowConnectorScheduler:
         if unsaved:
             with self._stats.update() as stats:
                 stats.data["role_unsaved_tokens"] += unsaved * self.group.chunk_tokens
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         return KVFlowConnectorMetadata(
-            loads=loads, saves=saves, async_loads=self._planner.take_async_loads()
+            loads=loads,
+            saves=saves,
+            async_loads=self._planner.take_async_loads(),
+            save_waits=not self._across or any(t.req_id in self._one_token for t in saves),
+            released=frozenset(scheduler_output.finished_req_ids).union(preempted),
         )
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._planner.finished(request.request_id)
-        return False, None  # saves end within their step (wait_for_save)
+        self._one_token.discard(request.request_id)
+        # its blocks are freed now: a save still reading them ends before the next forward
+        return False, None
 
     def take_stats(self) -> KVFlowConnectorStats | None:
         return self._stats.take()

@@ -2,6 +2,11 @@
 ``op_timeout_s``), a transfer dropped, the blocks a load did not bring (counted, and reported
 to vLLM), a save's chunks counted.
 
+A save may be left to end beside the next step (``finish_save(..., wait=False)``: one at a
+time, ``save_across_steps``); it is waited for and counted by ``end_unfinished``, at the next
+step's start when vLLM freed a block it reads (its request in ``released``), else at the next
+step's end, and before the engine closes.
+
 A dropped transfer is closed with ``close(wait=True)``, which returns once none of its copies
 runs any more: vLLM reuses the blocks when the step ends. A load whose result came while a copy
 that ran past its timeout still runs is dropped the same way before its result is used. A
@@ -16,7 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +42,17 @@ __all__ = ["Transfers"]
 log = logging.getLogger("kvflow")
 
 
+@dataclass(frozen=True)
+class _Unfinished:
+    """A save left to end beside the next step: its handle, its plan (in its order), the
+    layers it had still to copy when its step ended, and its requests."""
+
+    handle: SyncSaveHandle
+    transfers: Sequence[Transfer]
+    backlog: int
+    requests: frozenset[str]
+
+
 class Transfers:
     """One worker's engine (None: no pool, or stopped for good) and the ends of its
     transfers, counted in the worker's ``stats``."""
@@ -48,6 +65,7 @@ class Transfers:
         self.block_bytes = 0  # one block, every layer
         self.debug_here = True  # the debug hooks act in this worker (config.debug_rank)
         self._stats = stats
+        self._unfinished: _Unfinished | None = None
 
     def result(
         self, handle: SyncLoadHandle | SyncSaveHandle | None, what: str
@@ -90,17 +108,41 @@ class Transfers:
             self._stopped, self.engine = self.engine, None
 
     def close(self) -> None:
-        """Close the engine, and one stopped for good (its threads and loop, once its
-        straggler has returned or its grace has run out)."""
+        """End a save left unfinished, then close the engine, and one stopped for good (its
+        threads and loop, once its straggler has returned or its grace has run out)."""
+        self.end_unfinished()
         for engine in (self.engine, self._stopped):
             if engine is not None:
                 engine.close()
         self.engine = self._stopped = None
 
-    def finish_save(self, handle: SyncSaveHandle, transfers: Sequence[Transfer]) -> None:
+    def finish_save(
+        self, handle: SyncSaveHandle, transfers: Sequence[Transfer], wait: bool = True
+    ) -> None:
         """Wait for a save's result and count it (``transfers``: the save's, in its order; a
-        tail counts its own blocks' tokens, and a whole chunk's bytes: its padding is copied)."""
+        tail counts its own blocks' tokens, and a whole chunk's bytes: its padding is copied).
+        Without ``wait`` it is left to end on its own, once an earlier one left so has been
+        waited for (``end_unfinished``)."""
         backlog = handle.handle.backlog  # layers still to copy (it opened: layers came)
+        self.end_unfinished()
+        if wait:
+            self._count_save(handle, transfers, backlog)
+            return
+        requests = frozenset(t.req_id for t in transfers)
+        self._unfinished = _Unfinished(handle, transfers, backlog, requests)
+
+    def end_unfinished(self, released: Collection[str] | None = None) -> None:
+        """Wait for the save left unfinished, if any, and count it; with ``released`` (the
+        requests whose blocks vLLM freed), only if it reads a block of one of them."""
+        left = self._unfinished
+        if left is None or (released is not None and left.requests.isdisjoint(released)):
+            return
+        self._unfinished = None
+        self._count_save(left.handle, left.transfers, left.backlog)
+
+    def _count_save(
+        self, handle: SyncSaveHandle, transfers: Sequence[Transfer], backlog: int
+    ) -> None:
         result = self.result(handle, "save")
         with self._stats.update() as stats:
             d = stats.data

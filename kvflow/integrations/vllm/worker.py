@@ -7,8 +7,12 @@ hooks first), and neither waits for the pool's session, which opens while the fi
 compute. ``wait_for_layer_load(layer)`` blocks until that layer is in place (with
 ``use_layerwise: false`` the whole load waits before layer 0); ``save_kv_layer(layer)`` hands
 each layer of the step's completed chunks to the save as soon as attention wrote it;
-``wait_for_save`` ends the step, after which vLLM may reuse its blocks. Chunks that failed to
-load are reported by ``get_block_ids_with_load_errors``.
+``wait_for_save`` ends the step, after which vLLM may reuse its blocks: it waits for the load,
+and for the save unless the plan lets the save run on beside the next step (``save_waits``
+false: ``ConnectorConfig.save_across_steps``). Such a save reads only blocks of requests vLLM
+still runs; the next step ends it at ``bind``, before its forward, if the plan says vLLM freed
+one of them (``released``), else at its own ``wait_for_save``. Chunks that failed to load are
+reported by ``get_block_ids_with_load_errors``.
 
 Asynchronous loads (a sliding window's hits: the plan's ``async_loads``, one per request) start
 with the step's transfers and run on, across steps, for requests vLLM runs only once they are
@@ -133,7 +137,10 @@ class KVFlowConnectorWorker:
         )
 
     def bind(self, meta: KVFlowConnectorMetadata) -> None:
-        """The step's plan, before its forward."""
+        """The step's plan, before its forward. A save the step before left running ends
+        now if it reads a block vLLM freed since (``meta.released``): the forward may write
+        it."""
+        self._transfers.end_unfinished(meta.released)
         self._step = Step(meta)
 
     def start_load_kv(self) -> None:
@@ -232,10 +239,11 @@ class KVFlowConnectorWorker:
 
     def _end_step(self, step: Step | None) -> None:
         """End the step's transfers before vLLM may reuse its blocks: the load first (its
-        failed blocks are reported), then the save, which is dropped when any load of the step
-        failed on any tensor-parallel rank (its chunks may have been computed over a bad
-        prefix). In a step with a load the save holds its last layer until then, so it cannot
-        end, and store its chunks, before."""
+        failed blocks are reported), then the step before's save if it still runs, then this
+        step's save, which is dropped when any load of the step failed on any tensor-parallel
+        rank (its chunks may have been computed over a bad prefix), else waited for or left
+        to end beside the next step (``save_waits``). In a step with a load the save holds
+        its last layer until then, so it cannot end, and store its chunks, before."""
         if step is None or step.ended:
             return
         step.ended = True
@@ -245,6 +253,7 @@ class KVFlowConnectorWorker:
             stop_cut_step(step, self._last_layer, self._transfers)
         if step.load is not None or step.load_failed:
             self._finish_load(step)
+        self._transfers.end_unfinished()  # the step before's save had this whole forward
         failed = step.load_failed
         if step.meta.loads and step.meta.saves and not cut:  # the same on every rank
             failed = failed_on_any_rank(failed, self.group.tp_size)
@@ -252,7 +261,8 @@ class KVFlowConnectorWorker:
             if failed or step.save_stopped or not step.save_written:
                 self._transfers.drop(step.save, "save")
             elif self._release_held(step):
-                self._transfers.finish_save(step.save, step.meta.saves)
+                waits = step.meta.save_waits
+                self._transfers.finish_save(step.save, step.meta.saves, wait=waits)
             if trace.ENABLED:
                 trace.async_end("step_save", step.ident, "step")
 

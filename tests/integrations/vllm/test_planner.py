@@ -938,3 +938,27 @@ def test_the_scheduler_forgets_what_it_saw_in_a_pool_that_restarted_or_was_unrea
     # A computed, A held, B computed, A held | outage | B computed, A held, A held, B computed,
     # A held
     assert steps == [4, 0, 4, 0, 4, 4, 0, 4, 0]
+
+
+def test_a_plan_says_whether_its_save_may_end_in_the_next_step(
+    vllm_python: str, pool_dir: str
+) -> None:
+    """KVFlowConnectorScheduler's plans (``tests.support.scheduler_steps``, in vLLM's
+    interpreter): on ``kv_both`` with ``save_across_steps`` a step's save may end beside the
+    next step, and the next plan names the requests vLLM finished or preempted since (whose
+    blocks it may reuse); a request of one output token (a prefill for another instance) waits
+    for its save in its step, as every step of a ``kv_producer``, of a connector without
+    ``save_across_steps`` and of one with a sliding window (vLLM frees the blocks a running
+    request's window left) does."""
+    proc = subprocess.run(
+        [vllm_python, "-m", "tests.support.scheduler_steps", f"{pool_dir}/pool.sock"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    # per step: save_waits, released
+    assert plans["kv_both"] == [[False, []], [False, ["r0", "r1"]], [True, []]]
+    assert plans["kv_producer"] == [[True, []]]
+    assert plans["not_across"] == [[True, []]]
+    assert plans["windowed"] == [[True, []]]

@@ -163,3 +163,57 @@ def test_a_finished_save_counts_a_tails_own_tokens_and_whole_chunks_bytes() -> N
     assert d["saved_bytes"] == 3 * 2 * 100  # three chunks of two blocks, padding included
     assert d["save_skipped_tokens"] == (2 + 2 + 1) * BS  # the second save: all there
     assert d["save_failed_tokens"] == d["save_failed_chunks"] == 0
+
+
+def test_a_save_left_running_ends_only_where_it_must() -> None:
+    """A save left to end beside the next step (``finish_save(wait=False)``; its copies held at
+    a gate on the copy thread) is neither waited for nor counted by a step whose freed
+    requests are not its own; a step that freed its request ends it, counted by the statuses
+    its chunks ended with. A second one left running ends the first before it; closing ends
+    the last."""
+    layout = kvflow.KVLayout.from_tensors(make_caches(3), block_size=BS)
+    group: Any = types.SimpleNamespace(chunk_blocks=1, block_size=BS)
+    counts = _Counts()
+    transfers = Transfers(ConnectorConfig(), group, stats=counts)  # type: ignore[arg-type]
+    store = WrappedStore(kvflow.LocalStore("8MiB"))
+    gate = Gate()
+    store.before_copy = lambda d, *a: gate() if d == Direction.TO_POOL else None
+    # the copies on the copy thread (not inline, not deferred): the gate holds that thread
+    config = kvflow.EngineConfig(
+        chunk_blocks=1, inline_saves=False, deferred_saves=False, save_backlog=8
+    )
+    engine = transfers.engine = kvflow.SyncTransferEngine(layout, store, config)
+
+    def left_running(req_id: str, tokens: np.ndarray, blocks: list[int]) -> Any:
+        handle = engine.start_save([(tokens, blocks)])
+        for layer in range(3):
+            handle.layer_written(layer)
+        hashes = tuple(f"{req_id}{i}".encode() for i in range(len(blocks)))
+        plan = [Transfer(req_id, hashes, tuple(blocks), first_chunk=0)]
+        transfers.finish_save(handle, plan, wait=False)
+        return handle
+
+    try:
+        first = left_running("a", np.arange(BS), [0])
+        assert gate.reached.wait(60)  # its first copy runs, held at the gate
+        transfers.end_unfinished(released={"b"})  # another request's blocks were freed
+        assert counts.data["saves"] == 0 and gate.passed == 0 and not first.done()
+
+        gate.set()
+        transfers.end_unfinished(released={"a", "b"})
+        assert first.done() and counts.data["saves"] == 1
+        assert counts.data["saved_tokens"] == BS and counts.data["save_failed_chunks"] == 0
+
+        second = left_running("c", np.arange(100, 100 + 2 * BS), [1, 2])
+        assert counts.data["saves"] == 1  # neither waited for nor counted yet
+        left_running("d", np.arange(200, 200 + BS), [3])  # ends the one before it first
+        assert second.done() and counts.data["saves"] == 2
+        assert counts.data["saved_tokens"] == BS + 2 * BS
+        transfers.close()  # ends the last, then closes the engine
+        assert counts.data["saves"] == 3 and store.usage().leases == 0
+        with kvflow.SyncTransferEngine(layout, store, config) as check:
+            assert check.lookup(np.arange(200, 200 + BS)) == BS  # d is in the pool
+    finally:
+        gate.set()
+        transfers.close()
+        store.close()
