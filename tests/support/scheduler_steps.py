@@ -40,10 +40,13 @@ def _hashes(name: str) -> list[bytes]:
     return [hashlib.sha256(f"{name} {i}".encode()).digest() for i in range(CHUNKS)]
 
 
-def scheduler(socket: str, window: int = 0, **kwargs: Any) -> KVFlowConnectorScheduler:
+def scheduler(
+    socket: str, window: int = 0, across: bool = True, **kwargs: Any
+) -> KVFlowConnectorScheduler:
     """A scheduler of one group (one block a chunk; ``window``: its sliding window's tokens)
-    on the pool at ``socket``, never started by it (``kwargs``: the scheduler's own, after its
-    config and groups)."""
+    on the pool at ``socket``, never started by it, in a vLLM that writes new blocks only in
+    the forward (``across``: the connector's ``save_across_steps``; ``kwargs``: the
+    scheduler's own, after its config and groups)."""
     group = CacheGroup(
         spec=None,
         block_size=BLOCK,
@@ -57,9 +60,8 @@ def scheduler(socket: str, window: int = 0, **kwargs: Any) -> KVFlowConnectorSch
         window=window,
     )
     shared = {"socket": socket, "auto_start": False, "retry_interval_s": 0.05, "timeout_s": 60}
-    return KVFlowConnectorScheduler(
-        ConnectorConfig(store="shared", shared=shared), [group], **kwargs
-    )
+    config = ConnectorConfig(store="shared", shared=shared, save_across_steps=across)
+    return KVFlowConnectorScheduler(config, [group], forward_only_writes=True, **kwargs)
 
 
 @contextlib.contextmanager
@@ -118,12 +120,14 @@ def finish(sched: KVFlowConnectorScheduler, rid: str) -> None:
 
 
 def save_ends(socket: str) -> dict[str, list[list[Any]]]:
+    """Per scenario (the module's), its steps' ``[save_waits, sorted(released)]``."""
+
     def shown(meta: KVFlowConnectorMetadata) -> list[Any]:
         assert meta.saves  # every step here saves its prompt's chunks
         return [meta.save_waits, sorted(meta.released)]
 
     out: dict[str, list[list[Any]]] = {}
-    with running(socket, kv_role="kv_both", save_across_steps=True) as sched:
+    with running(socket, kv_role="kv_both") as sched:
         first, meta = step(sched, "A")
         other, _ = step(sched, "B")
         finish(sched, first)
@@ -132,9 +136,9 @@ def save_ends(socket: str) -> dict[str, list[list[Any]]]:
         finish(sched, one)
         out["kv_both"] = [shown(meta), shown(after), shown(single)]
     for name, kwargs in (
-        ("kv_producer", {"kv_role": "kv_producer", "save_across_steps": True}),
-        ("not_across", {"kv_role": "kv_both", "save_across_steps": False}),
-        ("windowed", {"kv_role": "kv_both", "save_across_steps": True, "window": 2 * BLOCK}),
+        ("kv_producer", {"kv_role": "kv_producer"}),
+        ("not_across", {"kv_role": "kv_both", "across": False}),
+        ("windowed", {"kv_role": "kv_both", "window": 2 * BLOCK}),
     ):
         with running(socket, **kwargs) as sched:
             out[name] = [shown(step(sched, "A")[1])]

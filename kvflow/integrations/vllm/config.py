@@ -74,10 +74,11 @@ class ConnectorConfig(Config):
         save_across_steps: a step's save may end (its last copies, its commit) while the next
             step runs: ``wait_for_save`` leaves it going, and the next step waits for it
             before its forward only if vLLM freed a block it reads (its request finished or
-            was preempted), else at its own end. Never on a ``kv_producer`` (its answer means
-            its chunks are in the pool), for a request of one output token, with a sliding
-            window (vLLM frees blocks a running request's window left), or where vLLM writes
-            new blocks before the forward (zeroing them: mixed precisions).
+            was preempted) or the step loads, else at its own end. Never on a
+            ``kv_producer`` (its answer means its chunks are in the pool), for a request of
+            one output token, with a sliding window (vLLM frees blocks a running request's
+            window left), where vLLM writes new blocks before the forward (zeroing them:
+            mixed precisions), or with sleep mode.
         copy_cpus: CPUs the copy threads (and a worker's Mooncake client threads) are pinned
             to; ``"auto"`` (the default): with KV caches in host memory, the CPUs of vLLM's
             own set that none of the worker's threads is bound to (``kvflow.spare_cpus``:

@@ -143,11 +143,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_scheduler: KVFlowConnectorScheduler | None = None
         self.connector_worker: KVFlowConnectorWorker | GroupWorkers | None = None
         if role == KVConnectorRole.SCHEDULER:
-            across = self.config.save_across_steps and blocks_written_in_forward_only(
-                kv_cache_config
-            )
             self.connector_scheduler = KVFlowConnectorScheduler(
-                self.config, groups, kv_role, save_across_steps=across
+                self.config,
+                groups,
+                kv_role,
+                forward_only_writes=blocks_written_in_forward_only(vllm_config, kv_cache_config),
             )
         elif len(groups) == 1:
             self.connector_worker = KVFlowConnectorWorker(self.config, groups[0], vllm_config)

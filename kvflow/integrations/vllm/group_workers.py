@@ -12,6 +12,7 @@ the groups (a token loaded into two groups' layers counts twice).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,8 @@ class GroupWorkers:
     def bind(self, meta: KVFlowConnectorMetadata) -> None:
         for g, worker in enumerate(self.workers):
             worker.bind(
-                KVFlowConnectorMetadata(
+                dataclasses.replace(  # the same save_waits and released in every group
+                    meta,
                     loads=[t for t in meta.loads if t.group == g],
                     saves=[t for t in meta.saves if t.group == g],
                     async_loads=[t for t in meta.async_loads if t.group == g],

@@ -59,15 +59,21 @@ class KVFlowConnectorScheduler:
         config: ConnectorConfig,
         groups: Sequence[CacheGroup],
         kv_role: str = "kv_both",
-        save_across_steps: bool = False,
+        forward_only_writes: bool = False,
     ) -> None:
-        """``save_across_steps``: whether a step's save may run on into the next (the
-        connector's setting, where vLLM writes no block before the forward); never on a
-        ``kv_producer``, nor with a sliding window (vLLM frees a running request's blocks as
-        its window moves on, which no plan names)."""
+        """``forward_only_writes``: vLLM writes a step's new blocks only in its forward
+        (``support.blocks_written_in_forward_only``), so that a step's save may run on into
+        the next (``config.save_across_steps``); never on a ``kv_producer``, nor with a
+        sliding window (vLLM frees a running request's blocks as its window moves on, which
+        no plan names)."""
         self.config = config
         windowed = any(group.window for group in groups)
-        self._across = save_across_steps and kv_role != "kv_producer" and not windowed
+        self._across = (
+            config.save_across_steps
+            and forward_only_writes
+            and kv_role != "kv_producer"
+            and not windowed
+        )
         self._one_token: set[str] = set()  # requests of one output token: saves end in-step
         self.group = groups[0]
         saves = config.saves_as(kv_role)

@@ -118,15 +118,20 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
         )
 
 
-def blocks_written_in_forward_only(kv_cache_config: Any) -> bool:
+def blocks_written_in_forward_only(vllm_config: Any, kv_cache_config: Any) -> bool:
     """Whether vLLM writes the KV blocks it allocates for a step only in the step's forward,
     after the connector's plan is bound: then a save of the step before may go on reading
     blocks vLLM freed since until that plan names their requests (``save_across_steps``).
     Not where vLLM zeroes new blocks before the forward (``needs_kv_cache_zeroing``: Mamba,
     mixed precisions), nor in a vLLM whose plans do not name the requests it preempted
-    (``SchedulerOutput.preempted_req_ids``). (Its copy-on-write of a partly hit block needs a
-    hash block size other than the block size, which ``check_supported`` refuses.)"""
+    (``SchedulerOutput.preempted_req_ids``), nor with sleep mode (``enable_sleep_mode``: a
+    sleeping engine gives its KV memory up between steps). (Its copy-on-write of a partly hit
+    block needs a hash block size other than the block size, which ``check_supported``
+    refuses.)"""
     from vllm.v1.core.sched.output import SchedulerOutput
 
     named = "preempted_req_ids" in getattr(SchedulerOutput, "__dataclass_fields__", {})
-    return named and not getattr(kv_cache_config, "needs_kv_cache_zeroing", True)
+    model_config = getattr(vllm_config, "model_config", None)
+    sleeps = getattr(model_config, "enable_sleep_mode", False)
+    zeroes = getattr(kv_cache_config, "needs_kv_cache_zeroing", True)
+    return named and not sleeps and not zeroes

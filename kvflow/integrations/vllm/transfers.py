@@ -4,8 +4,8 @@ to vLLM), a save's chunks counted.
 
 A save may be left to end beside the next step (``finish_save(..., wait=False)``: one at a
 time, ``save_across_steps``); it is waited for and counted by ``end_unfinished``, at the next
-step's start when vLLM freed a block it reads (its request in ``released``), else at the next
-step's end, and before the engine closes.
+step's start when vLLM freed a block it reads (its request in the plan's ``released``) or the
+step loads (``before_forward``), else at the next step's end, and before the engine closes.
 
 A dropped transfer is closed with ``close(wait=True)``, which returns once none of its copies
 runs any more: vLLM reuses the blocks when the step ends. A load whose result came while a copy
@@ -99,7 +99,7 @@ class Transfers:
         except KVFlowError as exc:  # the engine is closed: what it left is all there is
             log.warning("kvflow: closing the step's %s: %s", what, exc)
             ended = handle.done()
-        if not ended:
+        if not ended and self.engine is not None:  # else it stopped already: keep that one
             log.critical(
                 "kvflow: a %s copy is still running past its grace; the connector stops "
                 "loading and saving in this process",
@@ -131,14 +131,19 @@ class Transfers:
         requests = frozenset(t.req_id for t in transfers)
         self._unfinished = _Unfinished(handle, transfers, backlog, requests)
 
-    def end_unfinished(self, released: Collection[str] | None = None) -> None:
-        """Wait for the save left unfinished, if any, and count it; with ``released`` (the
-        requests whose blocks vLLM freed), only if it reads a block of one of them."""
+    def before_forward(self, released: Collection[str], loads: bool) -> None:
+        """A step's start: end the save left unfinished if the step's forward may write a
+        block it reads (its request among ``released``, whose blocks vLLM freed) or the step
+        ``loads`` (the load's copies would queue behind the save's, their timeouts running)."""
         left = self._unfinished
-        if left is None or (released is not None and left.requests.isdisjoint(released)):
-            return
-        self._unfinished = None
-        self._count_save(left.handle, left.transfers, left.backlog)
+        if left is not None and (loads or not left.requests.isdisjoint(released)):
+            self.end_unfinished()
+
+    def end_unfinished(self) -> None:
+        """Wait for the save left unfinished, if any, and count it."""
+        left, self._unfinished = self._unfinished, None
+        if left is not None:
+            self._count_save(left.handle, left.transfers, left.backlog)
 
     def _count_save(
         self, handle: SyncSaveHandle, transfers: Sequence[Transfer], backlog: int

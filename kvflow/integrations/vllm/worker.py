@@ -138,9 +138,9 @@ class KVFlowConnectorWorker:
 
     def bind(self, meta: KVFlowConnectorMetadata) -> None:
         """The step's plan, before its forward. A save the step before left running ends
-        now if it reads a block vLLM freed since (``meta.released``): the forward may write
-        it."""
-        self._transfers.end_unfinished(meta.released)
+        now if it reads a block vLLM freed since (``meta.released``: the forward may write
+        it) or the step loads (its copies would queue behind the save's)."""
+        self._transfers.before_forward(meta.released, bool(meta.loads or meta.async_loads))
         self._step = Step(meta)
 
     def start_load_kv(self) -> None:

@@ -13,7 +13,9 @@ configurations built from vLLM's own ``FullAttentionSpec``, ``MLAAttentionSpec``
   see docs/vllm.md, so kvflow's per-stage keys could not be checked end to end),
   decode-context parallelism are refused, each naming its setting;
 - several KV cache groups (vLLM's hybrid KV cache manager) are accepted when each is of a kind
-  the planner handles, all of one block size, MLA in all or none; else refused, with the reason.
+  the planner handles, all of one block size, MLA in all or none; else refused, with the reason;
+- vLLM's own ``KVCacheConfig`` says whether new blocks are written only in the forward (saves
+  across steps): not with mixed precisions (zeroed first), nor with sleep mode.
 """
 
 from __future__ import annotations
@@ -88,6 +90,25 @@ SCRIPT = textwrap.dedent(
             out[name] = str(exc)
         else:
             out[name] = "accepted"
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvflow.integrations.vllm.support import blocks_written_in_forward_only
+
+    def forward_only(specs, sleep=False):
+        config = KVCacheConfig(
+            num_blocks=8, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)],
+        )
+        vllm_config = NS(model_config=NS(enable_sleep_mode=sleep))
+        return blocks_written_in_forward_only(vllm_config, config)
+
+    half = FullAttentionSpec(**{**common, "dtype": torch.float16})
+    out["forward_only"] = {
+        "full": forward_only([full]),
+        "hybrid": forward_only([window, full]),
+        "mixed_precisions": forward_only([full, half]),
+        "sleep_mode": forward_only([full], sleep=True),
+    }
     from vllm.v1.core.block_pool import BlockPool
 
     from kvflow.integrations.vllm.planner import NULL_BLOCK
@@ -145,3 +166,14 @@ def test_several_groups_of_known_kinds_are_accepted_the_others_refused(
     assert sizes.startswith("kv_cache_groups='block sizes [16, 32]'"), sizes
     mla = verdicts["hybrid_mla"]
     assert mla.startswith("kv_cache_groups=") and "MLA in every group or in none" in mla, mla
+
+
+def test_saves_run_across_steps_only_where_vllm_writes_new_blocks_in_the_forward(
+    verdicts: dict[str, Any],
+) -> None:
+    """``save_across_steps`` needs vLLM to write a step's new blocks only in its forward: not
+    with caches of mixed precisions (vLLM zeroes new blocks before the forward), nor with
+    sleep mode (the KV memory is given up between steps)."""
+    assert verdicts["forward_only"] == {
+        "full": True, "hybrid": True, "mixed_precisions": False, "sleep_mode": False,
+    }  # fmt: skip

@@ -142,7 +142,8 @@ def test_a_finished_save_counts_a_tails_own_tokens_and_whole_chunks_bytes() -> N
     layout = kvflow.KVLayout.from_tensors(make_caches(3), block_size=BS)
     group: Any = types.SimpleNamespace(chunk_blocks=2, block_size=BS)
     counts = _Counts()
-    transfers = Transfers(ConnectorConfig(), group, stats=counts)  # type: ignore[arg-type]
+    config = ConnectorConfig(op_timeout_s=10)
+    transfers = Transfers(config, group, stats=counts)  # type: ignore[arg-type]
     transfers.block_bytes = 100  # one block, every layer: any figure counts the same way
     first, second = np.arange(4 * BS), np.arange(1000, 1000 + 4 * BS)
     plan = [
@@ -167,22 +168,24 @@ def test_a_finished_save_counts_a_tails_own_tokens_and_whole_chunks_bytes() -> N
 
 def test_a_save_left_running_ends_only_where_it_must() -> None:
     """A save left to end beside the next step (``finish_save(wait=False)``; its copies held at
-    a gate on the copy thread) is neither waited for nor counted by a step whose freed
-    requests are not its own; a step that freed its request ends it, counted by the statuses
-    its chunks ended with. A second one left running ends the first before it; closing ends
-    the last."""
+    a gate on the copy thread) is neither waited for nor counted at the start of a step that
+    loads nothing and freed only other requests' blocks; a step that freed its request ends
+    it, counted by the statuses its chunks ended with, and so does one that loads. A second
+    one left running ends the first before it; closing ends the last. (A wait that should not
+    happen fails the test at ``op_timeout_s``, the gate still closed.)"""
     layout = kvflow.KVLayout.from_tensors(make_caches(3), block_size=BS)
     group: Any = types.SimpleNamespace(chunk_blocks=1, block_size=BS)
     counts = _Counts()
-    transfers = Transfers(ConnectorConfig(), group, stats=counts)  # type: ignore[arg-type]
+    config = ConnectorConfig(op_timeout_s=10)
+    transfers = Transfers(config, group, stats=counts)  # type: ignore[arg-type]
     store = WrappedStore(kvflow.LocalStore("8MiB"))
     gate = Gate()
     store.before_copy = lambda d, *a: gate() if d == Direction.TO_POOL else None
     # the copies on the copy thread (not inline, not deferred): the gate holds that thread
-    config = kvflow.EngineConfig(
+    engine_config = kvflow.EngineConfig(
         chunk_blocks=1, inline_saves=False, deferred_saves=False, save_backlog=8
     )
-    engine = transfers.engine = kvflow.SyncTransferEngine(layout, store, config)
+    engine = transfers.engine = kvflow.SyncTransferEngine(layout, store, engine_config)
 
     def left_running(req_id: str, tokens: np.ndarray, blocks: list[int]) -> Any:
         handle = engine.start_save([(tokens, blocks)])
@@ -196,22 +199,26 @@ def test_a_save_left_running_ends_only_where_it_must() -> None:
     try:
         first = left_running("a", np.arange(BS), [0])
         assert gate.reached.wait(60)  # its first copy runs, held at the gate
-        transfers.end_unfinished(released={"b"})  # another request's blocks were freed
+        transfers.before_forward({"b"}, loads=False)  # another request's blocks were freed
         assert counts.data["saves"] == 0 and gate.passed == 0 and not first.done()
 
         gate.set()
-        transfers.end_unfinished(released={"a", "b"})
+        transfers.before_forward({"a", "b"}, loads=False)
         assert first.done() and counts.data["saves"] == 1
         assert counts.data["saved_tokens"] == BS and counts.data["save_failed_chunks"] == 0
 
+        loading = left_running("e", np.arange(300, 300 + BS), [4])
+        transfers.before_forward(set(), loads=True)  # nothing freed, but the step loads
+        assert loading.done() and counts.data["saves"] == 2
+
         second = left_running("c", np.arange(100, 100 + 2 * BS), [1, 2])
-        assert counts.data["saves"] == 1  # neither waited for nor counted yet
+        assert counts.data["saves"] == 2  # neither waited for nor counted yet
         left_running("d", np.arange(200, 200 + BS), [3])  # ends the one before it first
-        assert second.done() and counts.data["saves"] == 2
-        assert counts.data["saved_tokens"] == BS + 2 * BS
+        assert second.done() and counts.data["saves"] == 3
+        assert counts.data["saved_tokens"] == BS + BS + 2 * BS
         transfers.close()  # ends the last, then closes the engine
-        assert counts.data["saves"] == 3 and store.usage().leases == 0
-        with kvflow.SyncTransferEngine(layout, store, config) as check:
+        assert counts.data["saves"] == 4 and store.usage().leases == 0
+        with kvflow.SyncTransferEngine(layout, store, engine_config) as check:
             assert check.lookup(np.arange(200, 200 + BS)) == BS  # d is in the pool
     finally:
         gate.set()
