@@ -29,8 +29,8 @@ layer's save through the copy thread as it is written); ``kvflow_no_tails`` and
 chunk), and ``kvflow_no_tails_floor``, the ``kvflow_floor`` row with it off;
 ``kvflow_mooncake_layer_saves``, kvflow on Mooncake with ``deferred_saves`` off (each layer's
 save handed to the copy thread as it is written, not all after the last);
-``kvflow_step_saves``, ``kvflow_step_saves_floor`` and ``kvflow_mooncake_step_saves``,
-those rows with ``save_across_steps`` off (every step waits for its own save to end).
+``kvflow_across``, ``kvflow_across_floor`` and ``kvflow_mooncake_across``, those rows with
+``save_across_steps`` on (a step's save ends beside the next step).
 
 Workloads, the same prompts on every row: ``bench``, vLLM's own client
 (``vllm.benchmarks.serve``, in this process) on its ``prefix_repetition`` dataset (prompts
@@ -106,9 +106,9 @@ ON_REQUEST = (
     "kvflow_mooncake_no_tails",
     "kvflow_no_tails_floor",
     "kvflow_mooncake_layer_saves",
-    "kvflow_step_saves",
-    "kvflow_step_saves_floor",
-    "kvflow_mooncake_step_saves",
+    "kvflow_across",
+    "kvflow_across_floor",
+    "kvflow_mooncake_across",
 )  # and kvflow_chunkN
 # the ``kvflow_*_floor`` rows that do part of the connector's work: what the rest leaves out
 PARTS: dict[str, dict[str, bool]] = {
@@ -213,14 +213,14 @@ def start_rows(
     for row in rows:
         floor = row.endswith("floor")  # the floor's device KV
         connector = row.removesuffix("_floor")
-        off: dict[str, Any] = {}  # what a row's suffix turns off
-        for suffix, setting in (
-            ("_no_tails", "tail_chunks"),
-            ("_layer_saves", "deferred_saves"),
-            ("_step_saves", "save_across_steps"),
+        suffixed: dict[str, Any] = {}  # the settings a row's suffix names
+        for suffix, setting, value in (
+            ("_no_tails", "tail_chunks", False),
+            ("_layer_saves", "deferred_saves", False),
+            ("_across", "save_across_steps", True),
         ):
             if connector.endswith(suffix):
-                off[setting] = False
+                suffixed[setting] = value
             connector = connector.removesuffix(suffix)
         env: dict[str, str] = {}
         transfer: dict[str, Any] | None = None
@@ -241,7 +241,7 @@ def start_rows(
             stack.callback(stop_pool, socket)  # first: callbacks run last to first
             extra: dict[str, Any] = {"chunk_blocks": int(chunk[1]) // shape.block} if chunk else {}
             extra.update(part)
-            extra.update(off)
+            extra.update(suffixed)
             if row.startswith("kvflow_small_pool"):  # the pool starts itself, so small
                 most = shape.kv_bytes(
                     max(shape.working_set()["bench"], shape.working_set()["chat"])
@@ -253,7 +253,8 @@ def start_rows(
         elif connector == "kvflow_mooncake":
             pools[row] = {"master": stack.enter_context(MooncakeMaster())}
             master = pools[row]["master"].address
-            transfer = kvflow_transfer_config({**kvflow_mooncake_extra(master, shape.pool), **off})
+            extra = {**kvflow_mooncake_extra(master, shape.pool), **suffixed}
+            transfer = kvflow_transfer_config(extra)
         elif connector == "mooncake_store_connector":
             pools[row] = {"master": stack.enter_context(MooncakeMaster())}
             master = pools[row]["master"].address

@@ -78,7 +78,9 @@ class ConnectorConfig(Config):
             ``kv_producer`` (its answer means its chunks are in the pool), for a request of
             one output token, with a sliding window (vLLM frees blocks a running request's
             window left), where vLLM writes new blocks before the forward (zeroing them:
-            mixed precisions), or with sleep mode.
+            mixed precisions), or with sleep mode. Off by default: with KV caches in host
+            memory the save's copies then run beside the next forward, on the same CPUs, and
+            measured no faster (docs/benchmarks.md, "vllm serve").
         copy_cpus: CPUs the copy threads (and a worker's Mooncake client threads) are pinned
             to; ``"auto"`` (the default): with KV caches in host memory, the CPUs of vLLM's
             own set that none of the worker's threads is bound to (``kvflow.spare_cpus``:
@@ -116,7 +118,7 @@ class ConnectorConfig(Config):
     copy_timeout_s: float = seconds(default=DEFAULT_COPY_TIMEOUT_S)
     inline_saves: bool = flag(default=True)
     deferred_saves: bool = flag(default=True)
-    save_across_steps: bool = flag(default=True)
+    save_across_steps: bool = flag(default=False)
     lookup_timeout_s: float = seconds(default=2.0)
     model: str = text(default="")
     debug_corrupt_loads: bool = flag(default=False)

@@ -95,7 +95,7 @@ def test_every_key_is_accepted() -> None:
         "copy_timeout_s": 3,
         "inline_saves": False,
         "deferred_saves": False,
-        "save_across_steps": False,
+        "save_across_steps": True,
         "lookup_timeout_s": 0.25,
         "model": "tiny",
         "debug_corrupt_loads": True,

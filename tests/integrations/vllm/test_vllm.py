@@ -76,8 +76,9 @@ def test_partial_hits_in_a_mixed_batch(
     vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str, tmp_path: Path
 ) -> None:
     """Also: the connector's counters reach vLLM's Prometheus registry, and ``KVFLOW_TRACE``
-    writes a trace of the run."""
-    extra = shared_extra(pool_dir)
+    writes a trace of the run. With ``save_across_steps``: each step's save may end beside the
+    next, and the last one's counts still come in."""
+    extra = {**shared_extra(pool_dir), "save_across_steps": True}
     cold = vllm([A, C], extra=extra)
     assert cached(cold) == [0, 0]
     new = random_tokens(90, 5)  # in the same batch, a prompt the pool has never seen
@@ -134,7 +135,9 @@ def check_trace(directory: Path) -> None:
 def test_chunked_prefill_saves_and_loads_a_long_prompt(
     vllm: VllmRun, baseline: dict[str, list[int]], pool_dir: str
 ) -> None:
-    extra = shared_extra(pool_dir)
+    """With ``save_across_steps``: each prefill step's save ends beside the next step, which
+    reads other blocks of the same request."""
+    extra = {**shared_extra(pool_dir), "save_across_steps": True}
     cold = vllm([L], extra=extra, llm=CHUNKED)
     assert cached(cold) == [0] and tokens(cold) == [baseline["L"]]
     warm = vllm([L], extra=extra, llm=CHUNKED)
