@@ -40,10 +40,11 @@ from vllm_serve import Shape, build_model, start_rows
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the serving helpers are shared with the tests
-from kvflow.pool.launch import read_pid  # noqa: E402
 from tests.support.serve import (  # noqa: E402
     Server,
     chosen_rows,
+    group,
+    pool_pid,
     stream_completion,
     write_report,
 )
@@ -83,26 +84,6 @@ def rss_mib(pid: int) -> dict[str, float]:
             if key:
                 out[key] = int(line.split()[1]) / 1024
     return out
-
-
-def group(pgid: int) -> list[int]:
-    """The processes of process group ``pgid``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-                    out.append(int(entry))
-    return out
-
-
-def pool_pid(pool: dict[str, Any]) -> int:
-    """The pid of a row's pool process (``start_rows``'s ``pools``): the ``kvflow serve`` its
-    connector started (0 until then), or its ``mooncake_master``."""
-    if "socket" in pool:
-        return read_pid(pool["socket"])
-    return int(pool["master"].proc.pid)
 
 
 class Row:

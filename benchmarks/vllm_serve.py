@@ -46,7 +46,11 @@ split of the time to first token (mean queue and prefill time per request), per 
 how many requests gave other tokens than the ``prefix_cache`` row and than the
 ``mooncake_store_connector`` row on the same prompt, and per-repeat ratios (median over
 repeats) of mean TTFT, p99 TTFT and throughput against ``mooncake_store_connector``, against
-``prefix_cache`` and (in the JSON) against ``floor``.
+``prefix_cache`` and (in the JSON) against ``floor``. Also the CPU time per request that the
+row's processes used while it ran (read from ``/proc`` before and after each sample: vLLM's
+API server, engine core and worker, each with every thread it runs, a connector's included,
+and the pool's process, ``kvflow serve`` or ``mooncake_master``), with the same per-repeat
+ratios of its total: a figure of what a connector costs that queueing does not blur.
 """
 
 from __future__ import annotations
@@ -77,11 +81,13 @@ from tests.support.serve import (  # noqa: E402
     MODEL_NAME,
     Server,
     chunk_tokens,
+    cpu_by_role,
     free_port,
     kvflow_mooncake_extra,
     kvflow_transfer_config,
     mooncake_store_connector_env,
     order,
+    pool_pid,
     serve_args,
     stop_pool,
     write_report,
@@ -476,10 +482,39 @@ def run_chat(urls: list[str], shape: Shape, seed: int) -> dict[str, Any]:
 # -- the run ---------------------------------------------------------------------------------
 
 
+def row_cpu(group: list[Server], pool: dict[str, Any] | None) -> dict[str, float]:
+    """CPU seconds the row's processes have used, per role (``cpu_by_role``), summed over its
+    servers; ``pool_pid``: its pool process's pid (0: none, or not started yet)."""
+    pid = pool_pid(pool) if pool else 0
+    out: dict[str, float] = {"pool_pid": float(pid)}
+    for n, server in enumerate(group):
+        for what, seconds in cpu_by_role(server.proc.pid, pid if n == 0 else 0).items():
+            out[what] = out.get(what, 0.0) + seconds
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """CPU seconds per role between two ``row_cpu`` readings; the pool's None where its
+    process changed between them (started, or restarted)."""
+    out: dict[str, float | None] = {
+        k: after[k] - before[k] for k in after if k not in ("pool_pid", "pool")
+    }
+    same = before["pool_pid"] == after["pool_pid"]
+    out["pool"] = after["pool"] - before["pool"] if same else None
+    return out
+
+
 def measure(
-    servers: dict[str, list[Server]], shape: Shape, model: str, repeats: int, work: Path
+    servers: dict[str, list[Server]],
+    shape: Shape,
+    model: str,
+    repeats: int,
+    work: Path,
+    pools: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Per repeat and workload: every row once, in a balanced order, on that repeat's prompts."""
+    """Per repeat and workload: every row once, in a balanced order, on that repeat's prompts;
+    with each sample, the CPU time the row's processes (and its pool's, from ``pools``) used."""
+    pools = pools or {}
     rows = list(servers)
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {
         w: {row: [] for row in rows} for w in WORKLOADS
@@ -491,6 +526,7 @@ def measure(
                 for row in order(rows, i):
                     group = servers[row]
                     before = server_counters(group)
+                    cpu_before = row_cpu(group, pools.get(row))
                     load = os.getloadavg()[0]
                     if workload == "bench":
                         url = (
@@ -502,6 +538,7 @@ def measure(
                     else:
                         got = run_chat([s.url for s in group], shape, seed=2000 + i)
                     after = server_counters(group)
+                    got["cpu_s"] = cpu_used(cpu_before, row_cpu(group, pools.get(row)))
                     got.update({k: after[k] - before[k] for k in SERVER_COUNTERS})
                     got["loadavg_1m"] = load
                     got["position"] = order(rows, i).index(row)
@@ -536,6 +573,7 @@ def summarize(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
                 # vLLM's own split of the time to first token, mean over requests
                 "mean_queue_ms": phase_ms(runs, "queue_s", len(ttfts)),
                 "mean_prefill_ms": phase_ms(runs, "prefill_s", len(ttfts)),
+                "cpu_ms_per_request": cpu_ms(runs),
                 "failed": sum(r["failed"] for r in runs),
                 "outputs_differing_from_prefix_cache": differing(rows, row, "prefix_cache"),
                 "outputs_differing_from_mooncake_store_connector": differing(
@@ -571,10 +609,33 @@ def differing(rows: dict[str, list[dict[str, Any]]], row: str, name: str) -> lis
     ]
 
 
+def cpu_ms(runs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """CPU milliseconds per request of each of the row's processes (``cpu_by_role``) and
+    ``total``, over the repeats whose sample read them all (None: none did)."""
+    kept = [r for r in runs if "cpu_s" in r and r["cpu_s"]["pool"] is not None]
+    if not kept:
+        return None
+    requests = sum(len(r["ttfts"]) for r in kept)
+    out = {k: 1e3 * sum(r["cpu_s"][k] for r in kept) / requests for k in kept[0]["cpu_s"]}
+    out["total"] = sum(out.values())
+    return out
+
+
+def cpu_per_request(r: dict[str, Any]) -> float:
+    """One sample's CPU seconds per request, every process of the row and its pool; NaN where
+    the pool's was not read."""
+    cpu = r.get("cpu_s")
+    if not cpu or cpu["pool"] is None or not r["ttfts"]:
+        return float("nan")
+    return sum(cpu.values()) / len(r["ttfts"])
+
+
+CPU_REFS = ("mooncake_store_connector", "prefix_cache", "floor")
 RATIOS = {  # per repeat, a row's figure over the reference row's
     "mean_ttft": lambda r: statistics.mean(r["ttfts"]),
     "p99_ttft": lambda r: float(np.percentile(r["ttfts"], 99)),
     "throughput": lambda r: r["output_throughput"],
+    "cpu": cpu_per_request,
 }
 
 
@@ -588,6 +649,7 @@ def paired_ratio(
         for a, b in zip(runs, ref, strict=False)
         if a["ttfts"] and b["ttfts"]
     ]
+    pairs = [x for x in pairs if not np.isnan(x)]  # a sample without its CPU reading
     return statistics.median(pairs) if pairs else None
 
 
@@ -619,6 +681,19 @@ def print_table(summary: dict[str, Any]) -> None:
                 f"{ratio('mean_ttft_over_prefix_cache'):>8} "
                 f"{r['outputs_differing_from_prefix_cache']} "
                 f"{r['outputs_differing_from_mooncake_store_connector']}"
+            )
+        print()
+        print(
+            f"{workload + ' CPU ms per request':26} {'api':>8} {'engine':>8} {'worker':>8} "
+            f"{'pool':>8} {'total':>8} {'cpu/msc':>8} {'cpu/pc':>8} {'cpu/floor':>9}"
+        )
+        for row, r in table.items():
+            cpu = r.get("cpu_ms_per_request") or {}
+            cells = [cpu.get(k) for k in ("api", "engine", "worker", "pool", "total")]
+            cells += [r.get(f"cpu_over_{ref}") for ref in CPU_REFS]
+            print(
+                f"{row:26} "
+                + " ".join(f"{v:8.3f}" if v is not None else f"{'-':>8}" for v in cells)
             )
         print()
 
@@ -686,8 +761,9 @@ def main() -> int:
     started = time.monotonic()
     load_before = os.getloadavg()
     with contextlib.ExitStack() as stack:
-        servers = start_rows(rows, shape, model, work, stack)
-        samples = measure(servers, shape, model, repeats, work)
+        pools: dict[str, dict[str, Any]] = {}
+        servers = start_rows(rows, shape, model, work, stack, pools)
+        samples = measure(servers, shape, model, repeats, work, pools)
     summary = summarize(samples)
     document = {
         "summary": summary,

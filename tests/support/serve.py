@@ -321,6 +321,64 @@ def stop_pool(socket_path: str, python: str = sys.executable) -> None:
         print(f"the kvflow pool on {socket_path} did not stop", file=sys.stderr)
 
 
+# -- what a server's processes use --------------------------------------------------------------
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                    out.append(int(entry))
+    return out
+
+
+def pool_pid(pool: dict[str, Any]) -> int:
+    """The pid of a row's pool process (the benchmarks' ``start_rows``'s ``pools``): the
+    ``kvflow serve`` its connector started (0 until then), or its ``mooncake_master``."""
+    if "socket" in pool:
+        from kvflow.pool.launch import read_pid
+
+        return read_pid(pool["socket"])
+    return int(pool["master"].proc.pid)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system, every thread) process ``pid`` has used; 0.0: gone (or 0)."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    return 0.0
+
+
+def role(pid: int, pgid: int) -> str:
+    """What a process of a ``vllm serve`` group is, by the title vLLM gives it: ``engine``
+    (the engine core, where the scheduler runs), ``worker`` (the model's), ``api`` (the group
+    leader, the HTTP server), else ``other``."""
+    with contextlib.suppress(OSError):
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        if b"EngineCore" in title:
+            return "engine"
+        if b"Worker" in title:
+            return "worker"
+    return "api" if pid == pgid else "other"
+
+
+def cpu_by_role(pgid: int, pool: int = 0) -> dict[str, float]:
+    """CPU seconds used so far by the processes of ``vllm serve``'s group ``pgid``, per
+    ``role``, and by process ``pool`` (its pool's server or master; 0: none) as ``pool``. A
+    process that ended takes its time with it: compare two readings of the same processes."""
+    out = {"api": 0.0, "engine": 0.0, "worker": 0.0, "other": 0.0, "pool": cpu_seconds(pool)}
+    for pid in group(pgid):
+        out[role(pid, pgid)] += cpu_seconds(pid)
+    return out
+
+
 # -- what vllm_ttft.py and vllm_serve.py share -------------------------------------------------
 
 

@@ -1,0 +1,56 @@
+"""The serving benchmarks' CPU accounting (``tests.support.serve.cpu_by_role``): a process
+group's CPU time per ``vllm serve`` role, told by the title vLLM gives each process, read from
+``/proc``. The processes here stand in for vLLM's (their ``argv[0]`` is the title vLLM sets);
+what they burn is counted in CPU time, not wall time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.serve import cpu_by_role, cpu_seconds, group, role
+
+BURN = 0.3  # CPU seconds the stand-in worker uses before it says so
+BURNER = (
+    "import sys, time\n"
+    f"while time.process_time() < {BURN}: pass\n"
+    "print('burnt', flush=True)\n"
+    "sys.stdin.read()\n"  # then wait, idle, until the test closes stdin or kills the group
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_groups_cpu_time_is_counted_per_role() -> None:
+    # the group leader stands for the API server; its child, titled as vLLM titles its
+    # workers, burns BURN s of CPU and then waits
+    with subprocess.Popen(
+        ["bash", "-c", 'exec -a VLLM::Worker_TP0 "$0" -c "$1"', sys.executable, BURNER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+        text=True,
+    ) as leader:
+        try:
+            assert leader.stdout is not None and leader.stdout.readline() == "burnt\n"
+            pgid = leader.pid
+            assert group(pgid) == [leader.pid]  # ``exec``: the leader is the worker itself
+            assert role(leader.pid, pgid) == "worker"
+            used = cpu_by_role(pgid, pool=os.getpid())
+            assert used["worker"] >= BURN - 0.02  # clock ticks round it
+            assert used["engine"] == used["api"] == 0.0
+            assert used["pool"] > 0  # this process, standing in for the pool, has used some
+        finally:
+            os.killpg(leader.pid, signal.SIGKILL)
+            leader.wait(timeout=10)
+    assert cpu_seconds(leader.pid) == 0.0  # reaped: gone from /proc
+    assert cpu_by_role(leader.pid)["worker"] == 0.0
+
+
+def test_a_group_leader_without_a_title_is_the_api_server() -> None:
+    assert role(os.getpid(), os.getpid()) == "api"
+    assert role(os.getpid(), os.getpid() + 1) == "other"
+    assert role(0, 1) == "other"  # no such process
