@@ -41,16 +41,18 @@ that share a system prompt, each turn carrying the previous turns and their answ
 conversations at once. Greedy, ``ignore_eos``, fixed output lengths. Every server starts once;
 each repeat draws new prompts (its own seed) and runs the rows in a balanced order. Per row and
 workload: mean, median and p99 TTFT over all repeats' requests, output throughput (mean over
-repeats), tokens the connector provided (``vllm:external_prefix_cache_hits_total``), vLLM's own
-split of the time to first token (mean queue and prefill time per request), per repeat
-how many requests gave other tokens than the ``prefix_cache`` row and than the
+repeats), tokens the connector provided (``vllm:external_prefix_cache_hits_total``) and the
+prompt tokens vLLM computed itself (``local_compute`` in ``vllm:prompt_tokens_by_source``),
+vLLM's own split of the time to first token (mean queue and prefill time per request), per
+repeat how many requests gave other tokens than the ``prefix_cache`` row and than the
 ``mooncake_store_connector`` row on the same prompt, and per-repeat ratios (median over
 repeats) of mean TTFT, p99 TTFT and throughput against ``mooncake_store_connector``, against
 ``prefix_cache`` and (in the JSON) against ``floor``. Also the CPU time per request that the
 row's processes used while it ran (read from ``/proc`` before and after each sample: vLLM's
 API server, engine core and worker, each with every thread it runs, a connector's included,
 and the pool's process, ``kvflow serve`` or ``mooncake_master``), with the same per-repeat
-ratios of its total: a figure of what a connector costs that queueing does not blur.
+ratios of its total. The engine core polls while it waits, so its time follows the wall
+time; over a run, the worker's and the pool's say what a connector adds to them.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ from tests.support.serve import (  # noqa: E402
     free_port,
     kvflow_mooncake_extra,
     kvflow_transfer_config,
+    labelled,
     mooncake_store_connector_env,
     order,
     pool_pid,
@@ -288,18 +291,25 @@ def start_rows(
     return servers
 
 
-SERVER_COUNTERS = {  # vLLM's counters a sample reads, summed over the row's servers
-    "hit_tokens": "vllm:external_prefix_cache_hits_total",
+SERVER_COUNTERS = {  # vLLM's counters a sample reads (and their labels), summed over servers
+    "hit_tokens": ("vllm:external_prefix_cache_hits_total", {}),
     # per-request phases, seconds summed over the requests that finished: arrival to first
     # scheduled (waiting for device blocks among others), first scheduled to first token
-    "queue_s": "vllm:request_queue_time_seconds_sum",
-    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "queue_s": ("vllm:request_queue_time_seconds_sum", {}),
+    "prefill_s": ("vllm:request_prefill_time_seconds_sum", {}),
+    # prompt tokens vLLM computed, neither its prefix cache's nor the connector's (a load
+    # that lets vLLM's cache serve the next request counts as fewer hit tokens, not as more
+    # computed ones)
+    "computed_tokens": ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
 }
 
 
 def server_counters(servers: list[Server]) -> dict[str, float]:
     scraped = [s.metrics() for s in servers]
-    return {k: sum(m.get(name, 0.0) for m in scraped) for k, name in SERVER_COUNTERS.items()}
+    return {
+        key: sum(labelled(m, name, **labels) if labels else m.get(name, 0.0) for m in scraped)
+        for key, (name, labels) in SERVER_COUNTERS.items()
+    }
 
 
 # -- workload: vLLM's client -----------------------------------------------------------------
@@ -570,6 +580,7 @@ def summarize(samples: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
                 "p99_ttft_ms": 1e3 * float(np.percentile(ttfts, 99)),
                 "output_throughput": statistics.mean(r["output_throughput"] for r in runs),
                 "hit_tokens": sum(r["hit_tokens"] for r in runs),
+                "computed_tokens": sum(r.get("computed_tokens", float("nan")) for r in runs),
                 # vLLM's own split of the time to first token, mean over requests
                 "mean_queue_ms": phase_ms(runs, "queue_s", len(ttfts)),
                 "mean_prefill_ms": phase_ms(runs, "prefill_s", len(ttfts)),
@@ -657,8 +668,8 @@ def print_table(summary: dict[str, Any]) -> None:
     for workload, table in summary.items():
         print(
             f"{workload:26} {'mean ms':>9} {'median':>9} {'p99':>9} {'out tok/s':>10} "
-            f"{'hit tok':>9} {'queue ms':>9} {'prefill':>8} {'mean/msc':>9} {'p99/msc':>8} "
-            f"{'tput/msc':>8} {'mean/pc':>8} "
+            f"{'hit tok':>9} {'computed':>9} {'queue ms':>9} {'prefill':>8} {'mean/msc':>9} "
+            f"{'p99/msc':>8} {'tput/msc':>8} {'mean/pc':>8} "
             "differing from pc, msc"
         )
         for row, r in table.items():
@@ -674,6 +685,7 @@ def print_table(summary: dict[str, Any]) -> None:
             print(
                 f"{row:26} {r['mean_ttft_ms']:9.1f} {r['median_ttft_ms']:9.1f} "
                 f"{r['p99_ttft_ms']:9.1f} {r['output_throughput']:10.1f} {r['hit_tokens']:9.0f} "
+                f"{r.get('computed_tokens', float('nan')):9.0f} "
                 f"{ms('mean_queue_ms'):>9} {ms('mean_prefill_ms'):>8} "
                 f"{ratio('mean_ttft_over_mooncake_store_connector'):>9} "
                 f"{ratio('p99_ttft_over_mooncake_store_connector'):>8} "
