@@ -6,6 +6,7 @@ what they burn is counted in CPU time, not wall time."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from tests.support.serve import cpu_by_role, cpu_seconds, group, role
 
 BURN = 0.3  # CPU seconds the stand-in worker uses before it says so
+READY_TIMEOUT_S = 60.0  # a bound on that wait, however loaded the machine
 BURNER = (
     "import sys, time\n"
     f"while time.process_time() < {BURN}: pass\n"
@@ -25,8 +27,8 @@ BURNER = (
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_groups_cpu_time_is_counted_per_role() -> None:
-    # the group leader stands for the API server; its child, titled as vLLM titles its
-    # workers, burns BURN s of CPU and then waits
+    # a group of one: bash execs Python under the title vLLM gives its workers, which burns
+    # BURN s of CPU, says so and waits
     with subprocess.Popen(
         ["bash", "-c", 'exec -a VLLM::Worker_TP0 "$0" -c "$1"', sys.executable, BURNER],
         stdin=subprocess.PIPE,
@@ -35,7 +37,10 @@ def test_a_groups_cpu_time_is_counted_per_role() -> None:
         text=True,
     ) as leader:
         try:
-            assert leader.stdout is not None and leader.stdout.readline() == "burnt\n"
+            assert leader.stdout is not None
+            ready, _, _ = select.select([leader.stdout], [], [], READY_TIMEOUT_S)
+            assert ready, f"the stand-in worker did not burn {BURN} s of CPU in {READY_TIMEOUT_S} s"
+            assert leader.stdout.readline() == "burnt\n"
             pgid = leader.pid
             assert group(pgid) == [leader.pid]  # ``exec``: the leader is the worker itself
             assert role(leader.pid, pgid) == "worker"
