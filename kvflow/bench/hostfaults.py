@@ -5,7 +5,8 @@ hosts`` and the multi-host tests.
 hosts giving the pool a segment each (1 and 2), and on host 3 a ``loop`` worker, an engine under
 steady load that looks each prompt up, loads and checks what hits, and recomputes and saves what
 does not. Once every prompt hits, the fault is made, held for ``hold_s``, and undone; the run
-ends when a request hits in full again (or ``recover_bound_s`` passes). Faults (``FAULTS``):
+ends one more pass over the prompts after every prompt hit in full again (``recover_bound_s``
+bounds each wait). Faults (``FAULTS``):
 
 * ``partition_holder`` / ``partition_client``: host 1's (host 3's) cable out, then back;
 * ``master_restart``: the master killed (SIGKILL), then started again at the same address;
@@ -14,16 +15,20 @@ ends when a request hits in full again (or ``recover_bound_s`` passes). Faults (
 * ``lossy_link``: delay and loss on host 1's link (``netem``: absent from some kernels, then
   ``NetworkError``).
 
-The summary (``summarize``) splits the requests into before, during (fault to recovery) and
-after, and gives the chunks loaded, failed, missing and wrong, the slowest step, steps that ran
-past the hard bound (hung), and the seconds from undoing the fault (making it, for a fault not
-undone) to the first request that hit in full.
+The summary (``summarize``) splits the requests, by when each started, into before, during
+(from the fault until every prompt hit in full again) and after (the pass that followed), and
+gives the chunks loaded, failed, missing and wrong, the slowest step, steps that ran past the
+hard bound (hung), and the seconds from undoing the fault (making it, for a fault not undone)
+to the first request that hit in full (``recovered_s``) and to the first such request of the
+last prompt (``all_recovered_s``). For a dead host the first can be a prompt whose chunks all
+lay on the other one; the second is the pool whole again.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvflow.bench.cluster import Cluster
@@ -63,19 +68,30 @@ def step_bound(args: dict[str, Any] = LOOP_ARGS, slack_s: float = 5.0) -> float:
     return config.op_timeout_s + stop_grace(config) + slack_s
 
 
-def _wait_progress(path: str, after: float, bound: float) -> float | None:
-    """When the loop first hit in full after ``after`` (wall clock), or None within ``bound``."""
+def _wait_progress(path: str, done: Callable[[dict[str, Any]], bool], bound: float) -> Any:
+    """The loop's progress once ``done(progress)``, or None within ``bound`` seconds."""
     deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
         try:
             with open(path) as f:
-                last = float(json.load(f)["last_full_hit"])
+                progress = json.load(f)
+            if done(progress):
+                return progress
         except (OSError, ValueError, KeyError):
-            last = 0.0
-        if last > after:
-            return last
+            pass
         time.sleep(0.05)
     return None
+
+
+def _all_full_since(since: float) -> Callable[[dict[str, Any]], bool]:
+    """Whether every prompt has hit in full in a request started at ``since`` or later."""
+    prompts = len(LOOP_ARGS["prompts"])
+
+    def done(progress: dict[str, Any]) -> bool:
+        starts = progress["full_hit"].values()
+        return len(starts) == prompts and min(starts) >= since
+
+    return done
 
 
 def run_fault(
@@ -130,12 +146,14 @@ def run_fault(
             holder.unlimit()
         else:
             undone = made  # a dead host stays dead: recovery counts from its death
-        first_full = _wait_progress(progress, undone, recover_bound_s)
-        time.sleep(1.0)  # a few requests after recovery
+        recovered = _wait_progress(progress, _all_full_since(undone), recover_bound_s)
+        if recovered is not None:  # then one more pass over the prompts
+            more = int(recovered["requests"]) + len(LOOP_ARGS["prompts"])
+            _wait_progress(progress, lambda p: int(p["requests"]) >= more, recover_bound_s)
         open(cluster.path("stop"), "w").close()
         result = loop.result(step_bound() + 60)
         open(cluster.path("end"), "w").close()
-    summary = summarize(result["events"], made, undone, first_full)
+    summary = summarize(result["events"], made, undone)
     summary.update(fault=fault, hold_s=hold_s, open_sessions=result["open_sessions"])
     if fault == "slow_link":
         summary["rate"] = rate
@@ -159,17 +177,30 @@ def _phase(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def summarize(
-    events: list[dict[str, Any]], made: float, undone: float, first_full: float | None
-) -> dict[str, Any]:
-    """Before / during / after the fault, and what bounds every request (see the module)."""
-    end = first_full if first_full is not None else float("inf")
+def _recovery(events: list[dict[str, Any]], since: float) -> tuple[float | None, float | None]:
+    """When the first request started at ``since`` or later that hit in full started, and when
+    the last prompt's first such request did (None: not every prompt hit in full again)."""
+    chunks, prompts = int(LOOP_ARGS["chunks"]), len(LOOP_ARGS["prompts"])
+    first: dict[int, float] = {}
+    for e in events:
+        if e["t"] >= since and e["ok"] == chunks:
+            first.setdefault(e["prompt"], e["t"])
+    if not first:
+        return None, None
+    return min(first.values()), max(first.values()) if len(first) == prompts else None
+
+
+def summarize(events: list[dict[str, Any]], made: float, undone: float) -> dict[str, Any]:
+    """Before the fault, during it (until every prompt hit in full again), after (the pass that
+    followed), and what bounds every request (see the module)."""
+    first_full, all_full = _recovery(events, undone)
+    end = all_full if all_full is not None else float("inf")
     steps = [e.get(k, 0.0) for e in events for k in ("lookup_s", "load_s", "save_s")]
     settles = [e["settle_s"] for e in events if "settle_s" in e]
     return {
         "before": _phase([e for e in events if e["t"] < made]),
-        "during": _phase([e for e in events if made <= e["t"] < end]),
-        "after": _phase([e for e in events if e["t"] >= end]),
+        "during": _phase([e for e in events if made <= e["t"] <= end]),
+        "after": _phase([e for e in events if e["t"] > end]),
         "wrong_chunks": sum(e["wrong"] for e in events),
         "hung_requests": sum(bool(e["hung"]) for e in events),
         "errors": sum(len(e.get("errors", ())) for e in events),
@@ -179,6 +210,7 @@ def summarize(
         "slowest_step_s": round(max(steps, default=0.0), 3),
         "step_bound_s": step_bound(),
         "recovered_s": None if first_full is None else round(first_full - undone, 3),
+        "all_recovered_s": None if all_full is None else round(all_full - undone, 3),
         "chunk_bytes": OBJECT_BYTES,
     }
 

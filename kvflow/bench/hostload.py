@@ -13,7 +13,8 @@ atomically) and bounds every wait. The KV of a prompt's chunk is a pure function
 * ``loop``: the engine of a server under steady load, until ``args["stop"]`` appears: look a
   prompt up, load what hits, check it, recompute and save what did not; one event per request
   with the time each step took and what came back. Ready once a pass over the prompts hit in
-  full; ``args["progress"]`` says after each request when one last hit in full.
+  full; ``args["progress"]`` says after each request how many there were and, per prompt, when
+  the last request that hit it in full started (wall clock).
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ async def _loop(args: dict[str, Any]) -> dict[str, Any]:
     hard = float(args.get("hard_bound_s", 120.0))  # a hang, not a slow step: recorded as such
     events: list[dict[str, Any]] = []
     warm = False
-    last_full = 0.0  # when a request last found every chunk (wall clock)
+    full: dict[int, float] = {}  # prompt -> when its last request that hit in full started
     deadline = time.monotonic() + float(args.get("max_s", WAIT_S))
     try:
         async with TransferEngine(layout, store, config) as engine:
@@ -302,8 +303,8 @@ async def _loop(args: dict[str, Any]) -> dict[str, Any]:
                 events.append(event)
                 k += 1
                 if len(ok) == len(tokens) // CHUNK_TOKENS:
-                    last_full = time.time()
-                progress = {"requests": k, "last_full_hit": last_full}
+                    full[event["prompt"]] = event["t"]
+                progress = {"requests": k, "full_hit": full}
                 await asyncio.to_thread(write_json, args["progress"], progress)
                 if (
                     not warm

@@ -290,4 +290,4 @@ def test_hosts(tmp_path: Path) -> None:
         assert run["gbps"] > 0 and run["master_calls_per_batch"] == [2]
     (fault,) = result["faults"]
     assert fault["fault"] == "slow_link" and fault["wrong_chunks"] == 0
-    assert fault["recovered_s"] is not None
+    assert fault["recovered_s"] is not None and fault["all_recovered_s"] is not None
