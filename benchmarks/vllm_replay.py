@@ -11,8 +11,9 @@ defaults, started by the connector on a private socket; each Mooncake segment, w
 per row; the answers' tokens are not compared here), each driven by ``CLIENTS``
 clients sending back to back. Request ``n`` of a row: a ``PREFIX_TOKENS``-token prefix, half
 the time a new one (never seen before) and otherwise one of the last ``RECENT`` new ones,
-then its own ``SUFFIX_TOKENS``; ``MAX_TOKENS`` out. A new prefix's KV is ~8.5 MiB: every pool
-is full after the first ~120 and evicts from then on, and the device's cache holds a few.
+then its own ``SUFFIX_TOKENS``; ``MAX_TOKENS`` out. A new prefix's KV is ~4.3 MiB (bfloat16, as
+vLLM runs the model): every pool is full after the first ~240 and evicts from then on, and the
+device's cache holds a few.
 
 Every ``SAMPLE_S`` seconds: the resident memory (``VmRSS``, and ``RssAnon``: the heap, without
 the pool's shared pages) of every process of each row's ``vllm serve`` (its process group: API

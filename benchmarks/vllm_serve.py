@@ -13,7 +13,7 @@ the shared pool it starts itself, here on a private socket via ``KVFLOW_POOL_SOC
 requests alternate between them: a conversation's next turn goes to the other server). Rows
 run on request only: ``kvflow_chunkN``, the ``kvflow`` row with chunks of ``N`` tokens
 (``chunk_blocks`` = N / block size) instead of the default; ``kvflow_small_pool``, the
-``kvflow`` row with a pool (DRAM) a quarter of the larger workload's KV, and
+``kvflow`` row with a pool (DRAM) half the larger workload's KV, and
 ``kvflow_small_pool_disk``, the same with a disk tier under it that holds the whole of it
 (``shared``'s ``disk_dir``, ``disk_capacity``: the pool it starts has them); ``floor``, vLLM's
 prefix cache alone
@@ -166,9 +166,9 @@ class Shape:
         return {"device": self.num_blocks * self.block, "bench": bench, "chat": chat}
 
     def kv_bytes(self, tokens: int) -> int:
-        """Bytes of KV of ``tokens`` tokens (float32, the random model's; K and V, every
-        layer)."""
-        return tokens * self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 4
+        """Bytes of KV of ``tokens`` tokens (K and V, every layer), in bfloat16: the random model
+        is saved in float32, and vLLM's ``auto`` dtype runs a float32 model in bfloat16 here."""
+        return tokens * self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 2
 
     def floor_blocks(self) -> int:
         """Device KV for the ``floor`` row: either workload's working set, and the blocks of
@@ -255,9 +255,9 @@ def start_rows(
                 most = shape.kv_bytes(
                     max(shape.working_set()["bench"], shape.working_set()["chat"])
                 )
-                extra["shared"] = {"capacity": max(most // 4, 1 << 20)}
+                extra["shared"] = {"capacity": max(most // 2, 1 << 20)}
                 if row.endswith("_disk"):
-                    extra["shared"].update(disk_dir=f"{directory}/disk", disk_capacity=2 * most)
+                    extra["shared"].update(disk_dir=f"{directory}/disk", disk_capacity=4 * most)
             transfer = kvflow_transfer_config(extra)
         elif connector == "kvflow_mooncake":
             pools[row] = {"master": stack.enter_context(MooncakeMaster())}
