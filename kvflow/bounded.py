@@ -11,6 +11,7 @@ refused while one that timed out still runs.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from kvflow.cpus import pin_current_thread
 from kvflow.errors import ClosedError, TransferTimeoutError
 
 __all__ = ["BoundedCaller"]
+
+log = logging.getLogger("kvflow")
 
 T = TypeVar("T")
 
@@ -33,11 +36,14 @@ class _Call:
     value: Any = None
     error: BaseException | None = None
     abandoned: bool = False  # the caller gave up waiting
+    on_late: Callable[[Any], object] | None = None
 
 
 class BoundedCaller:
     """``call(name, fn, *args)``: ``fn(*args)`` on a helper thread, waited for at most
-    ``timeout_s``; its result, or what it raised (translated by ``errors``).
+    ``timeout_s``; its result, or what it raised (translated by ``errors``). ``call(...,
+    on_late=f)``: a result that comes back after its caller gave up goes to ``f`` (on the
+    helper thread), not to the ``on_late`` of all calls.
 
     ``what`` names the calls in errors (with each call's ``name`` after it). ``cpus``: the
     helper threads pin themselves there, and threads that ``fn`` starts inherit it. ``threads``:
@@ -83,9 +89,15 @@ class BoundedCaller:
         self._late = 0  # calls that timed out and still run
         self._closed = False
 
-    def call(self, name: str, fn: Callable[..., T], *args: Any) -> T:
+    def call(
+        self,
+        name: str,
+        fn: Callable[..., T],
+        *args: Any,
+        on_late: Callable[[T], object] | None = None,
+    ) -> T:
         what = " ".join(part for part in (self.what, name) if part)
-        call = _Call(fn, args)
+        call = _Call(fn, args, on_late=on_late or self._on_late)
         with self._lock:
             if self._closed:
                 raise ClosedError(what)
@@ -150,8 +162,11 @@ class BoundedCaller:
             call.done.set()
             if call.abandoned:
                 self._late -= 1
-        if call.abandoned and call.error is None and self._on_late is not None:
-            self._on_late(call.value)
+        if call.abandoned and call.error is None and call.on_late is not None:
+            try:
+                call.on_late(call.value)
+            except Exception:  # the thread serves the next calls all the same
+                log.exception("kvflow: handling a late %s result", self.what)
 
     def __repr__(self) -> str:
         return (

@@ -68,6 +68,28 @@ def test_a_timeout_raises_and_a_late_result_goes_to_on_late() -> None:
         calls.shutdown()
 
 
+def test_a_calls_own_on_late_takes_its_late_result_and_a_failing_one_ends_no_thread() -> None:
+    release, handed = threading.Event(), threading.Event()
+    for_all: list[str] = []
+    own: list[object] = []
+
+    def mine(value: str) -> None:
+        own.extend((value, threading.get_ident()))
+        handed.set()
+        raise RuntimeError("a handler that fails")  # logged; the thread serves on
+
+    calls = BoundedCaller("pool", 0.2, on_late=for_all.append)
+    try:
+        with pytest.raises(kvflow.TransferTimeoutError):
+            calls.call("start", _wait_then, release, "sessions", on_late=mine)
+        release.set()
+        assert handed.wait(60) and own[0] == "sessions" and for_all == []
+        calls.timeout_s = LONG_S
+        assert calls.call("next", threading.get_ident) == own[1]  # the same thread, serving
+    finally:
+        calls.shutdown()
+
+
 def test_refuse_late_fails_new_calls_at_once_while_a_timed_out_one_runs() -> None:
     release = threading.Event()
     calls = BoundedCaller("pool", 0.2, refuse_late=True)

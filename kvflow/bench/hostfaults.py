@@ -155,6 +155,7 @@ def run_fault(
         open(cluster.path("end"), "w").close()
     summary = summarize(result["events"], made, undone)
     summary.update(fault=fault, hold_s=hold_s, open_sessions=result["open_sessions"])
+    summary["late_sessions"] = result["late_sessions"]
     if fault == "slow_link":
         summary["rate"] = rate
     if fault == "lossy_link":

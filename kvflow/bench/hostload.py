@@ -315,10 +315,15 @@ async def _loop(args: dict[str, Any]) -> dict[str, Any]:
                     ready = {"pid": os.getpid(), "requests": k}
                     await asyncio.to_thread(write_json, args["ready"], ready)
                 await asyncio.sleep(float(args.get("pause_s", 0.01)))
-            open_sessions = store.stats().open_sessions
+            stats = store.stats()
     finally:
         store.close()
-    return {"events": events, "warm": warm, "open_sessions": open_sessions}
+    return {
+        "events": events,
+        "warm": warm,
+        "open_sessions": stats.open_sessions,
+        "late_sessions": stats.late_sessions,  # started by answers after their timeout, ended
+    }
 
 
 def saver(args: dict[str, Any]) -> dict[str, Any]:

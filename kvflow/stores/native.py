@@ -190,19 +190,34 @@ class NativeStore(Store, Generic[StatsT, SessionT]):
         if self._closed:
             raise ClosedError(type(self).__name__)
 
-    def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the store's call threads, waiting at most ``timeout_s``."""
-        return self._calls.call(name, fn, *args)
+    def _call(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        on_late: Callable[[Any], object] | None = None,
+    ) -> Any:
+        """``fn(*args)`` on the store's call threads, waiting at most ``timeout_s``;
+        ``on_late`` gets what it returns if that comes after the wait ended."""
+        return self._calls.call(name, fn, *args, on_late=on_late)
 
-    def _meta(self, name: str, keys: list[str], *extra: Any, quiet: bool = False) -> Any:
+    def _meta(
+        self,
+        name: str,
+        keys: list[str],
+        *extra: Any,
+        quiet: bool = False,
+        on_late: Callable[[Any], object] | None = None,
+    ) -> Any:
         """One metadata call, the client's ``name`` on ``keys`` with ``key_prefix`` applied.
-        ``quiet``: a failure is logged and answers None, not raised."""
+        ``quiet``: a failure is logged and answers None, not raised. ``on_late``: see
+        ``_call``."""
         with self._lock:
             self._count_meta()
         prefix = self._key_prefix
         named = [prefix + k for k in keys] if prefix else keys
         try:
-            return self._call(name, getattr(self._client, name), named, *extra)
+            return self._call(name, getattr(self._client, name), named, *extra, on_late=on_late)
         except StoreError as exc:
             if not quiet:
                 raise

@@ -9,6 +9,11 @@ store.py, decide when):
   is retried once, 10 ms later;
 - ``_start_gets``: get sessions started; Mooncake keeps one per key and client, so read
   sessions here sharing a key share it (reference counts);
+- ``_late_started`` / ``_end_late``: a session start that timed out here may still reach the
+  master (a master coming back answers the client's retries). The sessions such a late
+  answer started are ended before the next start of their kind (or at close): a put session
+  nobody finishes would keep its key from being written again, and a get session nobody
+  reads would hold a lease;
 - ``_commit``: put sessions ended (without the session calls: the staged objects put whole,
   ``kvflow.stores.mooncake.legacy``);
 - ``_map_local``: which objects of a read session lie in this process's own segment, read
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -60,6 +66,11 @@ class MooncakeSessions(NativeStore[MooncakeStats, Session]):
     _replicate: Any
     _slots: SlotTable
 
+    def __init__(self, stats: MooncakeStats, key_prefix: str, timeout_s: float) -> None:
+        super().__init__(stats, key_prefix, timeout_s)
+        self._late_puts: set[str] = set()  # put sessions late answers started (ended next)
+        self._late_gets: set[str] = set()  # get sessions, the same
+
     def _open(
         self, keys: tuple[str, ...], granted: np.ndarray, writing: bool, nbytes: int
     ) -> tuple[int, np.ndarray]:
@@ -79,19 +90,29 @@ class MooncakeSessions(NativeStore[MooncakeStats, Session]):
             self._slots.release(slot)
 
     def _start_puts(self, keys: list[str], sizes: list[int]) -> np.ndarray:
+        self._end_late()
         codes = np.asarray(
-            self._meta("batch_put_session_start", keys, sizes, self._replicate), dtype=np.int64
+            self._meta(
+                "batch_put_session_start",
+                keys,
+                sizes,
+                self._replicate,
+                on_late=self._late_started(keys, self._late_puts),
+            ),
+            dtype=np.int64,
         )
         conflict = np.flatnonzero(codes == HAS_LEASE)
         if conflict.size:  # another reader holds a lease on an old copy: one retry
             with self._lock:
                 self._stats.lease_conflicts += int(conflict.size)
             time.sleep(0.01)
+            retried = [keys[i] for i in conflict]
             again = self._meta(
                 "batch_put_session_start",
-                [keys[i] for i in conflict],
+                retried,
                 [sizes[i] for i in conflict],
                 self._replicate,
+                on_late=self._late_started(retried, self._late_puts),
             )
             codes[conflict] = np.asarray(again, dtype=np.int64)
         if (codes < 0).any():
@@ -106,10 +127,46 @@ class MooncakeSessions(NativeStore[MooncakeStats, Session]):
         if not self._stats.sessions_api:
             exist = np.asarray(self._meta("batch_is_exist", list(keys)), dtype=np.int64)
             return np.where(exist == 1, OK, np.where(exist == 0, NOT_FOUND, exist))
+        self._end_late()
         new = [k for k in dict.fromkeys(keys) if k not in self._reading]
-        started = self._meta("batch_get_session_start", new) if new else []
+        late = self._late_started(new, self._late_gets)
+        started = self._meta("batch_get_session_start", new, on_late=late) if new else []
         code_of = dict(zip(new, (int(c) for c in started), strict=True))
         return np.array([code_of.get(k, OK) for k in keys], dtype=np.int64)
+
+    def _late_started(self, keys: list[str], into: set[str]) -> Callable[[Any], None]:
+        """What a start call's late answer does (on a call thread): the keys it started go to
+        ``into``, ``_late_puts`` or ``_late_gets``, for ``_end_late``."""
+
+        def late(codes: Any) -> None:
+            started = [k for k, code in zip(keys, codes, strict=True) if int(code) == OK]
+            with self._lock:
+                into.update(started)
+                self._stats.late_sessions += len(started)
+            if started:
+                log.warning(
+                    "kvflow: %d Mooncake session(s) started after their call timed out; "
+                    "they are ended before the next start",
+                    len(started),
+                )
+
+        return late
+
+    def _end_late(self) -> None:
+        """End the sessions late answers started (holds ``_meta_lock``). A key written or read
+        here again meanwhile is left to that session's end; a failed end is tried again."""
+        with self._lock:
+            puts = [k for k in self._late_puts if k not in self._writing]
+            gets = [k for k in self._late_gets if k not in self._reading]
+            self._late_puts.clear()
+            self._late_gets.clear()
+        for name, keys, into in (
+            ("batch_put_session_revoke", puts, self._late_puts),
+            ("batch_get_session_end", gets, self._late_gets),
+        ):
+            if keys and self._meta(name, keys, quiet=True) is None:
+                with self._lock:
+                    into.update(keys)
 
     def _commit(self, s: Session, positions: list[int]) -> np.ndarray:
         keys = [s.keys[p] for p in positions]

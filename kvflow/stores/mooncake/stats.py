@@ -28,6 +28,7 @@ class MooncakeStats:
     lease_conflicts: int = 0
     failed_keys: int = 0
     unavailable: int = 0  # metadata calls refused because the master was unreachable
+    late_sessions: int = 0  # sessions started by a call answered after its timeout (then ended)
     open_sessions: int = 0  # read and write sessions open in this store now
     pending_writes: int = 0  # objects this store is writing (put sessions open)
     leases: int = 0  # objects held by this store's read sessions (one per session and key)

@@ -74,7 +74,8 @@ class MooncakeStore(MooncakeSessions):
     Concurrency: thread-safe. Metadata calls run on a small thread pool of their own and wait at
     most ``timeout_s``; ``batch_copy`` runs on the caller's thread (the engine bounds it with
     ``copy_timeout_s``) and several may run at once. ``close()`` revokes pending writes, ends
-    read sessions and closes the client.
+    read sessions (those that start calls answered after their timeout started too) and
+    closes the client.
     """
 
     engine = "Mooncake"
@@ -218,11 +219,12 @@ class MooncakeStore(MooncakeSessions):
             sessions = list(self._sessions.values())
             self._sessions.clear()
             self._slots.clear()
+            late_puts, late_gets = list(self._late_puts), list(self._late_gets)
         with self._meta_lock:  # revoked and ended below, or by Mooncake's own timeouts
             self._writing.clear()
             self._reading.clear()
-        writes = [s.keys[p] for s in sessions if s.writing for p in s.slots]
-        reads = [s.keys[p] for s in sessions if not s.writing for p in s.slots]
+        writes = [s.keys[p] for s in sessions if s.writing for p in s.slots] + late_puts
+        reads = [s.keys[p] for s in sessions if not s.writing for p in s.slots] + late_gets
         if writes and self._stats.sessions_api:
             self._meta("batch_put_session_revoke", writes, quiet=True)
         if reads and self._stats.sessions_api:

@@ -1,15 +1,18 @@
 """Faults of a real Mooncake deployment: the master killed during a layerwise load, the master
-restarted, the pool full. Nothing hangs, nothing partly loaded is reported loaded, nothing
-stored is corrupted, and service resumes without restarting the engine."""
+restarted, the pool full, a master answering session starts after they timed out. Nothing
+hangs, nothing partly loaded is reported loaded, nothing stored is corrupted, and service
+resumes without restarting the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -189,6 +192,74 @@ async def test_pool_full_skips_saves_and_corrupts_nothing(own_master: MooncakeMa
             assert loaded_chunks > 0
             # 48 MiB cannot all be in 16 MiB: some saves were skipped or some chunks evicted
             assert skipped + missing_chunks > 0, "the pool never filled"
+            assert store.stats().open_sessions == 0
+    finally:
+        store.close()
+
+
+class _SlowStarts:
+    """The real Mooncake client, but its session starts named in ``held`` wait for ``go``
+    first: a master that answers late, as one coming back from a restart answers the client's
+    retries of calls kvflow gave up on. Every call made through it is noted (name, keys)."""
+
+    def __init__(self, client: Any, held: set[str]) -> None:
+        self._client, self.held = client, held
+        self.go = threading.Event()
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self._client, name)
+        if not name.startswith("batch_"):
+            return call
+
+        def noted(keys: list[str], *args: Any) -> Any:
+            self.calls.append((name, list(keys)))
+            if name in self.held:
+                assert self.go.wait(60), "the test never let the held call go"
+            return call(keys, *args)
+
+        return noted
+
+
+async def test_sessions_a_late_answer_started_are_ended(own_master: MooncakeMaster) -> None:
+    """A save and a load whose session starts time out here, and reach the master afterwards:
+    the sessions they started there are ended before the next start, so the prefix can be
+    saved again (an open put session would make the master refuse it for good) and loads
+    bit-exact."""
+    caches = random_caches(num_layers=4, num_blocks=64, block_shape=(BLOCK_SIZE, 64), seed=9)
+    layout = kvflow.KVLayout.from_tensors(caches, block_size=BLOCK_SIZE)
+    store = kvflow.MooncakeStore(
+        master_server_address=own_master.address, local_hostname="127.0.0.1",
+        global_segment_size="16MiB", key_prefix="late/", timeout_s=0.5,
+    )  # fmt: skip
+    real = store.client
+    tokens, src, dst = _tokens(4, seed=3), np.arange(0, 8), np.arange(8, 16)
+    want = _fill(caches, src, seed=3)
+    try:
+        async with kvflow.TransferEngine(layout, store, engine_config()) as engine:
+            slow = _SlowStarts(real, {"batch_put_session_start"})
+            store._client = slow
+            skipped = await asyncio.wait_for(engine.save(tokens, src), 60)
+            assert skipped.count(ChunkStatus.OK) == 0  # timed out: nothing saved, says so
+            slow.go.set()  # the master answers now: four put sessions nobody will finish
+            await _until(lambda: store.stats().late_sessions == 4, 30, "the late answer")
+            saved = await asyncio.wait_for(engine.save(tokens, src), 60)
+            assert saved.count(ChunkStatus.OK) == 4, saved
+            revoked = [keys for name, keys in slow.calls if name == "batch_put_session_revoke"]
+            assert len(revoked) == 1 and len(revoked[0]) == 4  # before the second start
+            assert await engine.lookup(tokens) == len(tokens)
+
+            slow = _SlowStarts(real, {"batch_get_session_start"})
+            store._client = slow
+            failed = await asyncio.wait_for(engine.load(tokens, dst), 60)
+            assert failed.count(ChunkStatus.OK) == 0
+            slow.go.set()  # four get sessions, each holding a lease, nobody reading
+            await _until(lambda: store.stats().late_sessions == 8, 30, "the late answer")
+            loaded = await asyncio.wait_for(engine.load(tokens, dst), 60)
+            assert loaded.count(ChunkStatus.OK) == 4 and _loaded_exactly(caches, dst, want)
+            names = [name for name, _ in slow.calls]
+            ended = names.index("batch_get_session_end")  # the late ones, before the start
+            assert ended < len(names) - 1 - names[::-1].index("batch_get_session_start")
             assert store.stats().open_sessions == 0
     finally:
         store.close()
