@@ -11,7 +11,7 @@ store.py, decide when):
   sessions here sharing a key share it (reference counts);
 - ``_late_started`` / ``_end_late``: a session start that timed out here may still reach the
   master (a master coming back answers the client's retries). The sessions such a late
-  answer started are ended before the next start of their kind (or at close): a put session
+  answer started are ended before the next session start (or at close): a put session
   nobody finishes would keep its key from being written again, and a get session nobody
   reads would hold a lease;
 - ``_commit``: put sessions ended (without the session calls: the staged objects put whole,
