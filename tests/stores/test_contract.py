@@ -392,7 +392,7 @@ _OVERFLOW_SCRIPT = textwrap.dedent(
     from kvflow import InvalidArgumentError
     from kvflow.abc import Direction
     from tests.support.objects import OBJ_BYTES, addr, alloc_registered
-    from tests.support.pools import make_store, stop_master
+    from tests.support.pools import make_store, stop_master, stop_servers
 
     name, case = sys.argv[1], sys.argv[2]
     try:  # a Mooncake master this process starts must not outlive it
@@ -415,7 +415,8 @@ _OVERFLOW_SCRIPT = textwrap.dedent(
         else:
             print("COPIED")
         store.close()
-    finally:
+    finally:  # nor a pool server it started, nor that server's directory
+        stop_servers()
         stop_master()
     """
 )
